@@ -1,0 +1,10 @@
+"""Planning layer: schedules as plain data, their costs, simulation, validation and planners.
+
+Pure Python: importable without torch or megatron-core.
+"""
+from .costs import Costs
+from .schedule import LAYOUTS, OPS, Pass, Schedule, ScheduleError
+from .simulate import Timeline, simulate
+from .validate import validate
+
+__all__ = ["Costs", "LAYOUTS", "OPS", "Pass", "Schedule", "ScheduleError", "Timeline", "simulate", "validate"]

@@ -1,0 +1,146 @@
+"""The cost model: time and activation memory of each pass, per virtual stage.
+
+Notation of the paper: T_F, T_B, T_W (time of F, B, W), T_comm (stage-to-stage send), M_B (activation
+memory an F adds, all freed by B+W; named m_f here because F adds it) and M_W (what B keeps for W).
+Per-stage tuples let the first and last stages carry the embedding and the LM head.
+Memory is in `memory_unit`: "microbatches" (1.0 = one microbatch's activations of one rank) or "bytes".
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from .schedule import ScheduleError
+
+# Paper's activation-memory ratio M_W / M_B for a typical layer (32sbh vs ~sb(34h+5as)).
+DEFAULT_MW_RATIO = 0.5
+
+
+def _per_stage(value, n: int, what: str) -> tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        return (float(value),) * n
+    values = tuple(float(v) for v in value)
+    if len(values) != n:
+        raise ScheduleError(f"{what} has {len(values)} values but the pipeline has {n} virtual stages")
+    return values
+
+
+@dataclass(frozen=True)
+class Costs:
+    t_f: tuple[float, ...]
+    t_b: tuple[float, ...]
+    t_w: tuple[float, ...]
+    m_f: tuple[float, ...]
+    m_w: tuple[float, ...]
+    t_comm: float = 0.0
+    memory_unit: str = "microbatches"
+
+    def __post_init__(self):
+        n = len(self.t_f)
+        for name in ("t_b", "t_w", "m_f", "m_w"):
+            if len(getattr(self, name)) != n:
+                raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values, t_f has {n}")
+        if min(self.t_f + self.t_b + self.t_w) < 0 or self.t_comm < 0:
+            raise ScheduleError("costs: pass times and T_comm must not be negative")
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return len(self.t_f)
+
+    @classmethod
+    def make(
+        cls,
+        num_virtual_stages: int,
+        t_f: float | Sequence[float] = 1.0,
+        t_b: float | Sequence[float] = 1.0,
+        t_w: float | Sequence[float] = 1.0,
+        t_comm: float = 0.0,
+        m_f: float | Sequence[float] | None = None,
+        m_w: float | Sequence[float] | None = None,
+        chunks: int = 1,
+        memory_unit: str = "microbatches",
+    ) -> "Costs":
+        """Costs from scalars (uniform stages) or per-virtual-stage sequences.
+
+        By default an F on one of a rank's `chunks` adds 1/chunks of a microbatch's activations, so a
+        memory limit of p means p M_B whatever the layout.
+        """
+        n = num_virtual_stages
+        m_f = _per_stage(1.0 / chunks if m_f is None else m_f, n, "m_f")
+        m_w = tuple(DEFAULT_MW_RATIO * x for x in m_f) if m_w is None else _per_stage(m_w, n, "m_w")
+        return cls(
+            t_f=_per_stage(t_f, n, "t_f"),
+            t_b=_per_stage(t_b, n, "t_b"),
+            t_w=_per_stage(t_w, n, "t_w"),
+            m_f=m_f,
+            m_w=m_w,
+            t_comm=float(t_comm),
+            memory_unit=memory_unit,
+        )
+
+    @classmethod
+    def from_model(
+        cls,
+        *,
+        layers: int,
+        hidden: int,
+        heads: int,
+        seq_length: int,
+        micro_batch: int,
+        vocab: int,
+        num_virtual_stages: int,
+        flops_per_second: float = 125e12,
+        link_bytes_per_second: float = 25e9,
+        bytes_per_element: int = 2,
+    ) -> "Costs":
+        """Costs from the model shape with the paper's per-layer formulas, for planning before profiling.
+
+        Per layer: F ~ sbh(24h + 4s), B ~ sbh(24h + 8s), W ~ sbh(24h) FLOPs; M_B ~ sb(34h + 5as) and
+        M_W ~ 32sbh bytes (16-bit activations). The LM head (2sbhV FLOPs per pass, fp32 logits kept for
+        the loss) is added to the last virtual stage. Layers that do not divide evenly go to the middle
+        stages first, since the first and last already carry embedding and head. The default
+        flops_per_second reproduces the paper's profiled T_F of its 1.5B model on A100.
+        """
+        if min(layers, hidden, heads, seq_length, micro_batch, vocab, num_virtual_stages) < 1:
+            raise ScheduleError("model shape: every size must be at least 1")
+        s, b, h, a = seq_length, micro_batch, hidden, heads
+        per_stage, extra = divmod(layers, num_virtual_stages)
+        order = sorted(range(num_virtual_stages), key=lambda v: abs(v - (num_virtual_stages - 1) / 2))
+        counts = [per_stage] * num_virtual_stages
+        for v in order[:extra]:
+            counts[v] += 1
+        sbh = s * b * h
+        f_layer, b_layer, w_layer = sbh * (24 * h + 4 * s), sbh * (24 * h + 8 * s), sbh * 24 * h
+        mb_layer, mw_layer = s * b * (34 * h + 5 * a * s), 32 * sbh
+        head_flops = 2 * sbh * vocab
+        t_f, t_b, t_w, m_f, m_w = [], [], [], [], []
+        for v, n in enumerate(counts):
+            head = v == num_virtual_stages - 1
+            t_f.append((n * f_layer + (head_flops if head else 0)) / flops_per_second)
+            t_b.append((n * b_layer + (head_flops if head else 0)) / flops_per_second)
+            t_w.append((n * w_layer + (head_flops if head else 0)) / flops_per_second)
+            m_f.append(n * mb_layer + (4 * s * b * vocab + bytes_per_element * sbh if head else 0))
+            m_w.append(n * mw_layer + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
+        t_comm = bytes_per_element * sbh / link_bytes_per_second
+        return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes")
+
+    def rank_microbatch_memory(self, owners: Sequence[Sequence[int]]) -> list[float]:
+        """Activation memory of one whole microbatch on each rank (the M_B of that rank).
+
+        owners[r] lists the virtual stages rank r holds.
+        """
+        return [sum(self.m_f[v] for v in vs) for vs in owners]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Costs":
+        fields = {k: data[k] for k in ("t_f", "t_b", "t_w", "m_f", "m_w") if k in data}
+        if len(fields) != 5:
+            raise ScheduleError("costs JSON needs t_f, t_b, t_w, m_f and m_w")
+        return cls(
+            **{k: tuple(float(x) for x in v) for k, v in fields.items()},
+            t_comm=float(data.get("t_comm", 0.0)),
+            memory_unit=str(data.get("memory_unit", "microbatches")),
+        )
