@@ -1,0 +1,76 @@
+"""PyTorch's own ZB-V schedule as one of our `Schedule`s, so the benchmarks can simulate both on the same costs.
+
+torch.distributed.pipelining.ScheduleZBVZeroBubble computes every rank's action order in its constructor
+(`pipeline_order`), from the stages' group size, rank and stage count only. We build it with stand-in
+stage objects that carry just those attributes, so no process group, model or GPU is needed, and map its
+actions (F = forward, I = backward for inputs, W = backward for weights, on global stage indices) to our
+F/B/W passes on (rank, chunk) of the "v" layout. This module imports torch; the planning package does not.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate
+from megatron.zero_bubble.schedules.memory import rank_memory_limits
+from megatron.zero_bubble.schedules.schedule import stage_owner
+from megatron.zero_bubble.schedules.vshape import zb_v
+
+_OPS = {"F": "F", "I": "B", "W": "W"}  # torch's computation types -> our passes
+
+
+def _fake_stage(stages: int, stage_index: int) -> SimpleNamespace:
+    # Only what the constructor reads: rank 0's two stages suffice, every rank's order is computed anyway.
+    return SimpleNamespace(
+        submod=None, group_size=stages, group_rank=0, num_stages=2 * stages, stage_index=stage_index, is_last=False
+    )
+
+
+def torch_zbv_schedule(stages: int, microbatches: int) -> Schedule:
+    """PyTorch's ScheduleZBVZeroBubble order for p ranks and m microbatches, as a "v" Schedule."""
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    fake = [_fake_stage(stages, 0), _fake_stage(stages, 2 * stages - 1)]
+    torch_schedule = ScheduleZBVZeroBubble(fake, microbatches)
+    ranks: list[list[Pass]] = [[] for _ in range(stages)]
+    for rank, actions in torch_schedule.pipeline_order.items():
+        for action in actions:
+            if action is None:  # idle slots in torch's lock-step table
+                continue
+            op = _OPS.get(str(action.computation_type.value))
+            if op is None:
+                raise ScheduleError(f"torch's ZB-V has an action {action} with no F/B/W equivalent")
+            owner, chunk = stage_owner("v", stages, action.stage_index)
+            if owner != rank:
+                raise ScheduleError(f"torch's ZB-V puts stage {action.stage_index} on rank {rank}, not {owner}")
+            ranks[rank].append(Pass(op, action.microbatch_index, chunk))
+    return Schedule(stages, 2, microbatches, "v", ranks, name="torch-zbv")
+
+
+def compare_zbv_with_torch(stages: int, microbatches: int, costs: Costs | None = None) -> dict:
+    """Simulate torch's ZB-V and ours on the same costs, ours limited to torch's peak memory per rank.
+
+    Returns bubble rates (paper's measure and from time 0), makespans and peak memories of both, in the
+    costs' memory unit.
+    """
+    costs = costs or Costs.make(2 * stages, chunks=2)
+    theirs = simulate(torch_zbv_schedule(stages, microbatches), costs)
+    # Same memory: our limit is torch's highest per-rank peak, as a multiple of each rank's M_B.
+    per_mb = rank_memory_limits(stages, 2, "v", costs, microbatches=1.0)
+    limit = max(peak / mb for peak, mb in zip(theirs.peak_memory, per_mb))
+    ours = simulate(zb_v(stages, microbatches, costs, memory_limit=limit), costs)
+    return {
+        "stages": stages,
+        "microbatches": microbatches,
+        "memory_limit": limit,
+        "ours": _summary(ours),
+        "torch": _summary(theirs),
+    }
+
+
+def _summary(timeline) -> dict:
+    return {
+        "bubble_rate": timeline.bubble_rate,
+        "bubble_rate_from_zero": timeline.bubble_rate_from_zero,
+        "makespan": timeline.makespan,
+        "peak_memory": max(timeline.peak_memory),
+    }

@@ -1,0 +1,39 @@
+"""CPU backend: run megatron-core (and optionally megatron.training) on a machine without CUDA, with gloo.
+
+    from megatron.zero_bubble.patches import cpu_backend
+    cpu_backend.install()               # core: schedules, GPTModel, DDP, optimizer
+    cpu_backend.install(training=True)  # also Megatron's training loop (imports megatron.training)
+
+The patches live in cpu_backend_core.py and cpu_backend_training.py (one Patcher each), on top of the
+import shims in imports.py; `uninstall()` restores every replaced attribute. On a machine with CUDA,
+`install()` raises PatchError unless `force=True`: GPU runs must not use it.
+"""
+from __future__ import annotations
+
+from . import cpu_backend_core
+from .cpu_backend_core import cuda_available
+
+__all__ = ["cuda_available", "install", "installed", "uninstall"]
+
+
+def install(training: bool = False, force: bool = False) -> None:
+    """Apply the core CPU patches, and with `training=True` the training-loop ones (idempotent)."""
+    cpu_backend_core.install(force=force)
+    if training:
+        from . import cpu_backend_training  # imports megatron.training: only when asked for
+
+        cpu_backend_training.install(force=force)
+
+
+def uninstall() -> None:
+    """Undo everything `install()` applied (the training-loop part first, then the core part)."""
+    import sys
+
+    training = sys.modules.get(f"{__package__}.cpu_backend_training")
+    if training is not None:
+        training.uninstall()
+    cpu_backend_core.uninstall()
+
+
+def installed() -> bool:
+    return cpu_backend_core.installed()

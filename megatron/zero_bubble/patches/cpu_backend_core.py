@@ -1,0 +1,137 @@
+"""CPU backend, core part: megatron-core's schedules, GPTModel, DDP and optimizer on CPU with gloo.
+
+Patches (each proven necessary on CPU; see /work/shared/reference/megatron-cpu.md):
+- the module global `torch` of the modules listed in `MODULES_SEEING_CPU_AS_CUDA` becomes a `CpuTorch`
+  (cpu_backend_torch.py): `torch.cuda.current_device()` -> cpu, `synchronize()` -> no-op,
+  `current_stream()` / `Stream` / `stream()` -> do-nothing streams, `device="cuda"` factories -> cpu;
+- the RNG tracker's `_get_cuda_rng_state` / `_set_cuda_rng_state` act on the CPU generator (its `add`
+  already goes through the patched `torch.cuda` of tensor_parallel/random.py);
+- `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert.
+
+torch itself is not modified: only names inside megatron modules are rebound, and `uninstall()` puts
+every one of them back.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from . import imports
+from ._patching import Patcher, PatchError, check_megatron_core_version
+from .cpu_backend_torch import CpuTorch
+
+# Modules whose functions on the CPU path use torch.cuda.* or device="cuda"; why, in one line each.
+MODULES_SEEING_CPU_AS_CUDA = (
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens counters on device="cuda"
+    "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, synchronize after batched p2p
+    "megatron.core.transformer.utils",  # default causal mask on middle stages
+    "megatron.core.transformer.module",  # shared embedding all-reduce buffer
+    "megatron.core.tensor_parallel.layers",  # weights created on current_device()
+    "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter buffers
+    "megatron.core.tensor_parallel.random",  # tracker.add seeds the "cuda" generator
+    "megatron.core.models.gpt.gpt_model",  # loss bookkeeping buffers
+    "megatron.core.utils",  # GlobalMemoryBuffer, local l2 norm result
+    "megatron.core.timers",  # synchronize, all-gather buffer
+    "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
+    "megatron.core.distributed.distributed_data_parallel",  # synchronize in buffer (de)allocation
+    "megatron.core.optimizer.optimizer",  # found_inf / scale flags on device="cuda"
+    "megatron.core.optimizer.clip_grads",  # norm accumulators on device="cuda"
+    "megatron.core.rerun_state_machine",  # validation tensors on device="cuda"
+)
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (the CPU backend is meant for machines that do not)."""
+    return torch.cuda.is_available()
+
+
+class CoreCpuBackend:
+    """Owns the Patcher of the core part; `install()` is idempotent, `uninstall()` restores megatron-core."""
+
+    def __init__(self):
+        self.patcher = Patcher("cpu_backend_core")
+
+    @property
+    def installed(self) -> bool:
+        return self.patcher.installed
+
+    def install(self, force: bool = False) -> None:
+        if self.installed:
+            return
+        if cuda_available() and not force:
+            raise PatchError(
+                "CUDA is available: the CPU backend is for machines without a GPU (pass force=True to use it anyway)"
+            )
+        check_megatron_core_version()
+        imports.install()  # megatron.core must import before it can be patched
+        cpu_torch = CpuTorch()
+        try:
+            for name in MODULES_SEEING_CPU_AS_CUDA:
+                module = importlib.import_module(name)
+                if module.__dict__.get("torch") is not torch:
+                    raise PatchError(f"patch 'cpu_backend_core': {name}.torch is not the torch module")
+                self.patcher.replace(module, "torch", cpu_torch)
+            self._patch_rng_tracker()
+            self._patch_clip_grads()
+        except BaseException:
+            self.patcher.restore()
+            raise
+
+    def uninstall(self) -> None:
+        self.patcher.restore()
+
+    def _patch_rng_tracker(self) -> None:
+        # The originals go through torch.cuda.default_generators and _lazy_call, which on a CPU build
+        # silently never runs the setter: the tracker's fork would not switch states at all.
+        random = importlib.import_module("megatron.core.tensor_parallel.random")
+
+        def get_rng_state(device="cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+            return torch.get_rng_state()  # a fresh tensor already, so `clone` needs nothing more
+
+        def set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = False) -> None:
+            torch.set_rng_state(new_state)
+
+        self.patcher.replace(random, "_get_cuda_rng_state", get_rng_state)
+        self.patcher.replace(random, "_set_cuda_rng_state", set_rng_state)
+
+    def _patch_clip_grads(self) -> None:
+        # The original asserts `param.grad.type() == 'torch.cuda.FloatTensor'`, a Tensor method that no
+        # name rebinding can reach; this copy checks for fp32 instead and scales with megatron's own
+        # multi-tensor applier. It is bound by name in optimizer.py, so it is replaced there too.
+        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+        original = clip_grads.clip_grad_by_total_norm_fp32
+
+        def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
+            if use_decoupled_grad:
+                return original(parameters, max_norm, total_norm, use_decoupled_grad=True)
+            grads = [clip_grads.to_local_if_dtensor(p.grad).detach() for p in parameters if p.grad is not None]
+            if any(g.dtype != torch.float32 for g in grads):
+                raise PatchError("clip_grad_by_total_norm_fp32 expects fp32 gradients")
+            clip_coeff = max_norm / (total_norm + 1.0e-6)
+            if clip_coeff < 1.0:
+                overflow_flag = torch.zeros(1, dtype=torch.int)
+                clip_grads.multi_tensor_applier(
+                    clip_grads.multi_tensor_scale_impl, overflow_flag, [grads, grads], clip_coeff
+                )
+
+        self.patcher.replace(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+        self.patcher.replace(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+
+
+BACKEND = CoreCpuBackend()
+
+
+def install(force: bool = False) -> None:
+    """Apply the core CPU patches (idempotent); raises PatchError on a machine with CUDA unless forced."""
+    BACKEND.install(force=force)
+
+
+def uninstall() -> None:
+    """Restore every attribute the core patches replaced."""
+    BACKEND.uninstall()
+
+
+def installed() -> bool:
+    return BACKEND.installed

@@ -1,0 +1,91 @@
+"""Make `import megatron.core` and `import megatron.training` work on a CPU-only Python 3.11 machine.
+
+Two shims, both additions rather than replacements (so they are recorded here, not in a `Patcher`):
+
+- `megatron/core/transformer/moe/ops/paged_stash.py` does an unguarded `import triton` and is reached
+  from `pipeline_parallel/schedules.py` and `models/gpt/gpt_model.py`. When triton is missing, a stub
+  module with the three names its one importer reads (a block size and two kernels that raise) is put in
+  `sys.modules` under that module's name. MoE paged stashing is never used on CPU.
+- `megatron/training/models/{base,gpt,hybrid}.py` use `typing.override` (Python 3.12+); on older Pythons
+  it is aliased to `typing_extensions.override`.
+
+`install()` must run before megatron.core / megatron.training are first imported, at the top of the entry
+script: Megatron's checkpoint writer spawns a process that re-imports the main module.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+import typing
+
+from ._patching import check_megatron_core_version
+
+TRITON_KERNEL_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
+PAGED_STASH_BLOCK_SIZE = 1024  # the value of GLOBAL_BLOCK_SIZE in megatron-core 0.19.2's triton module
+
+
+class ImportShims:
+    """Remembers what `install()` added so that `uninstall()` removes exactly that."""
+
+    def __init__(self):
+        self.stub_module: types.ModuleType | None = None
+        self.added_typing_override = False
+
+    @property
+    def installed(self) -> bool:
+        return self.stub_module is not None or self.added_typing_override
+
+    def install(self) -> None:
+        check_megatron_core_version()
+        if (
+            self.stub_module is None
+            and TRITON_KERNEL_MODULE not in sys.modules
+            and importlib.util.find_spec("triton") is None
+        ):
+            self.stub_module = _triton_kernel_stub()
+            sys.modules[TRITON_KERNEL_MODULE] = self.stub_module
+        if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+            import typing_extensions
+
+            typing.override = typing_extensions.override
+            self.added_typing_override = True
+
+    def uninstall(self) -> None:
+        # Modules imported meanwhile keep their references; only the shims themselves go away.
+        if self.stub_module is not None and sys.modules.get(TRITON_KERNEL_MODULE) is self.stub_module:
+            del sys.modules[TRITON_KERNEL_MODULE]
+        self.stub_module = None
+        if self.added_typing_override:
+            del typing.override
+            self.added_typing_override = False
+
+
+def _triton_kernel_stub() -> types.ModuleType:
+    stub = types.ModuleType(TRITON_KERNEL_MODULE, "Stand-in for megatron-core's triton kernels (triton is missing).")
+
+    def _needs_triton(*args, **kwargs):
+        raise RuntimeError("MoE paged stashing needs triton, which is not installed (CPU backend)")
+
+    stub.GLOBAL_BLOCK_SIZE = PAGED_STASH_BLOCK_SIZE
+    stub.paged_stash_copy_kernel = _needs_triton
+    stub.paged_stash_pop_kernel = _needs_triton
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    return stub
+
+
+_SHIMS = ImportShims()
+
+
+def install() -> None:
+    """Add the shims that `import megatron.core` / `megatron.training` need here (idempotent)."""
+    _SHIMS.install()
+
+
+def uninstall() -> None:
+    """Remove the shims `install()` added; already imported megatron modules stay usable."""
+    _SHIMS.uninstall()
+
+
+def installed() -> bool:
+    return _SHIMS.installed

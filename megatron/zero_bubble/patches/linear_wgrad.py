@@ -1,0 +1,231 @@
+"""B/W split for megatron-core's tensor-parallel linear layers (ColumnParallelLinear, RowParallelLinear).
+
+`install()` replaces `megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`,
+which both layers look up as a module global at every call. The replacement calls megatron's own function
+unless the weight carries a `WeightGradStore` (runtime/wgrad_store.py). For such weights the autograd
+function's forward is megatron's; its backward is megatron's too unless the store is active
+(`split_backward()`), in which case it computes only the B part:
+- grad_input = grad_output @ weight, with the same TP all-reduce or sequence-parallel reduce-scatter,
+  and grad_bias as megatron computes it;
+- no weight gradient (None); instead a `DeferredLinearWeightGrad` holding the input activation (sharded
+  under sequence parallelism, all-gathered again in W) and grad_output is handed to `store.defer()`.
+Running that work later (W) computes the weight gradient with megatron's ops and accumulates it where
+megatron's backward would have put it (see `DeferredLinearWeightGrad.__call__`).
+
+Not split (megatron's backward runs unchanged): Transformer Engine layers (they have their own
+delay_wgrad_compute / backward_dw), megatron's embedding wgrad deferral (grad_output_buffer), GTP weight
+rematerialisation (gtp_remat_size > 1), frozen weights.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..runtime.wgrad_store import STORE_ATTRIBUTE
+from ._patching import PatchError, Patcher, check_megatron_core_version, megatron_core_version
+
+TARGET = "linear_with_grad_accumulation_and_async_allreduce"
+# What the deferrable backward reuses from megatron's layers module (checked by install()).
+_NEEDED_FROM_LAYERS = (
+    TARGET, "LinearWithGradAccumulationAndAsyncCommunication", "custom_bwd", "get_global_memory_buffer",
+    "get_tensor_model_parallel_group_if_none", "prepare_input_tensors_for_wgrad_compute",
+    "dist_all_gather_func", "dist_reduce_scatter_func",
+)
+_PATCHER = Patcher("linear_wgrad")
+
+
+def _layers():
+    from megatron.core.tensor_parallel import layers
+
+    return layers
+
+
+def install() -> None:
+    """Route megatron's TP linear layers through the deferrable backward (idempotent, version-checked)."""
+    if _PATCHER.installed:
+        return
+    check_megatron_core_version()
+    layers = _layers()
+    missing = [name for name in _NEEDED_FROM_LAYERS if not hasattr(layers, name)]
+    if missing:
+        raise PatchError(
+            f"patch 'linear_wgrad': megatron.core.tensor_parallel.layers lacks {', '.join(missing)} in "
+            f"megatron-core {megatron_core_version()}; this patch was written for 0.19.x"
+        )
+    # megatron's function reads its `.warned` flag through the module global, which is now ours.
+    deferrable_linear.warned = getattr(layers, TARGET).warned
+    _PATCHER.replace(layers, TARGET, deferrable_linear)
+
+
+def uninstall() -> None:
+    """Put megatron's original function back."""
+    _PATCHER.restore()
+
+
+def installed() -> bool:
+    return _PATCHER.installed
+
+
+def original_linear():
+    """megatron-core's own linear_with_grad_accumulation_and_async_allreduce (patched or not)."""
+    layers = _layers()
+    return _PATCHER.original(layers, TARGET)
+
+
+def deferrable_linear(
+    input,
+    weight,
+    bias,
+    gradient_accumulation_fusion,
+    allreduce_dgrad,
+    sequence_parallel,
+    grad_output_buffer=None,
+    wgrad_deferral_limit=0,
+    tp_group=None,
+    gtp_remat_size=1,
+):
+    """Drop-in for megatron's function (same signature); splits the backward of store-owned weights."""
+    args = (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+            grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
+    store = getattr(weight, STORE_ATTRIBUTE, None)
+    if store is None or grad_output_buffer is not None or gtp_remat_size > 1:
+        return original_linear()(*args)
+    tp_group = _layers().get_tensor_model_parallel_group_if_none(tp_group)
+    return _DeferrableLinear.apply(*args[:8], tp_group, gtp_remat_size, store)
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    """megatron's LinearWithGradAccumulationAndAsyncCommunication with a deferrable weight gradient."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        *megatron_args, store = args
+        ctx.wgrad_store = store
+        # megatron's forward (with its custom_fwd autocast bookkeeping) fills ctx exactly as it would.
+        return _layers().LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *megatron_args)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        layers = _layers()
+        if not ctx.wgrad_store.active:
+            grads = layers.LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
+        else:
+            grads = layers.custom_bwd(_input_grad_and_defer)(ctx, grad_output)
+        return (*grads, None)
+
+
+def _input_grad_and_defer(ctx, grad_output):
+    """B of megatron's backward: grad_input (with its TP collective) and grad_bias; W goes to the store."""
+    layers = _layers()
+    input, weight = ctx.saved_tensors
+    tp_group = ctx.tp_group
+    handle = None
+    grad_input = grad_output.matmul(weight)
+    if ctx.allreduce_dgrad:
+        handle = torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)
+    if ctx.sequence_parallel:
+        assert not ctx.allreduce_dgrad
+        sub_grad_input = torch.empty(input.size(), dtype=input.dtype, device=input.device, requires_grad=False)
+        handle = layers.dist_reduce_scatter_func(sub_grad_input, grad_input, group=tp_group, async_op=True)
+        grad_input = sub_grad_input
+
+    # While the collective runs: the tensors W needs and the bias gradient, as megatron forms them
+    # (prepare_input_tensors_for_wgrad_compute: contiguous, then [s, b, h] viewed as [s*b, h]).
+    grad_output = grad_output.contiguous()
+    grad_bias = _as_2d(grad_output).sum(dim=0) if ctx.use_bias else None
+    ctx.wgrad_store.defer(DeferredLinearWeightGrad(ctx, input, weight, grad_output))
+
+    if handle is not None:
+        handle.wait()
+    return grad_input, None, grad_bias, None, None, None, None, None, None, None
+
+
+def _as_2d(tensor):
+    return tensor.view(tensor.shape[0] * tensor.shape[1], tensor.shape[2]) if tensor.dim() == 3 else tensor
+
+
+class DeferredLinearWeightGrad:
+    """W of one linear layer for one microbatch: weight gradient GEMM plus its accumulation.
+
+    Keeps only `input` (the sharded input under sequence parallelism) and `grad_output`; `nbytes` is
+    their size. Accumulates where megatron's backward would have ended up:
+    - gradient_accumulation_fusion: the same fused kernel into weight.main_grad (megatron-FSDP's path
+      included), then weight.grad_added_to_main_grad = True when DDP tracks it;
+    - weight.main_grad present (megatron DDP, no fusion): main_grad.add_(wgrad), what DDP's backward
+      post-hook does with the param.grad autograd would have produced;
+    - otherwise weight.grad as autograd's AccumulateGrad: assigned first, added in place afterwards.
+    """
+
+    __slots__ = ("input", "weight", "grad_output", "main_grad", "fusion", "sequence_parallel", "tp_group",
+                 "autocast_state", "nbytes")
+
+    def __init__(self, ctx, input, weight, grad_output):
+        self.input = input.detach()  # drop the autograd history: only the values are needed
+        self.weight = weight
+        self.grad_output = grad_output
+        self.main_grad = ctx.main_grad
+        self.fusion = ctx.gradient_accumulation_fusion
+        self.sequence_parallel = ctx.sequence_parallel
+        self.tp_group = ctx.tp_group
+        # W runs under the autocast state megatron's custom_bwd would have restored in backward.
+        self.autocast_state = SimpleNamespace(_fwd_used_autocast=ctx._fwd_used_autocast, _dtype=ctx._dtype)
+        self.nbytes = _nbytes(input) + _nbytes(grad_output)
+
+    def __call__(self) -> None:
+        with torch.no_grad():
+            _layers().custom_bwd(_compute_and_accumulate)(self.autocast_state, self)
+        self.input = self.grad_output = None  # release M_W now, even if the caller keeps the object
+
+
+def _compute_and_accumulate(_autocast_state, work: DeferredLinearWeightGrad) -> None:
+    layers = _layers()
+    weight, input = work.weight, work.input
+    if work.sequence_parallel:
+        dim_size = list(input.size())
+        dim_size[0] = dim_size[0] * work.tp_group.size()
+        total_input = layers.get_global_memory_buffer().get_tensor(dim_size, input.dtype, "mpu")
+        layers.dist_all_gather_func(total_input, input, group=work.tp_group)
+    else:
+        total_input = input
+    grad_output, total_input = layers.prepare_input_tensors_for_wgrad_compute(work.grad_output, total_input)
+
+    if work.fusion:
+        weight.main_grad = work.main_grad  # megatron restores it too (a layer may be reused, e.g. MTP)
+        _fused_wgrad_accumulate(layers, weight, total_input, grad_output)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        return
+    grad_weight = total_input.t().matmul(grad_output).t()
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad_weight)
+    elif weight.grad is None:
+        weight.grad = grad_weight
+    else:
+        weight.grad.add_(grad_weight)
+
+
+def _fused_wgrad_accumulate(layers, weight, total_input, grad_output) -> None:
+    """megatron's gradient-accumulation-fusion branch, unchanged (kernels looked up in its module)."""
+    if hasattr(weight, "__fsdp_param__"):
+        weight.main_grad = weight.get_main_grad()
+        from megatron.core.extensions.transformer_engine import te_general_gemm
+
+        if te_general_gemm is not None:
+            te_general_gemm(total_input, grad_output, out_dtype=weight.main_grad.dtype, layout="NT",
+                            out=weight.main_grad, grad=True)
+        else:
+            torch.matmul(grad_output.t(), total_input, out=weight.main_grad)
+        return
+    kernels = layers.fused_weight_gradient_mlp_cuda
+    if weight.main_grad.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)
+    elif weight.main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernels.wgrad_gemm_accum_fp16(total_input, grad_output, weight.main_grad)
+    else:
+        raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,406 @@
+"""ZB-V layer placement for megatron-core: rank r holds virtual stage r as chunk 0 and 2p-1-r as chunk 1.
+
+megatron-core 0.19.x only knows the interleaved placement (chunk k of rank r = virtual stage k*p + r).
+`install(p)` makes it build and run the V placement with virtual pipeline size 2:
+
+- layers: `get_transformer_layer_offset` (transformer_layer.py) and `get_num_layers_to_build`
+  (transformer_block.py), at their source and at every binding already imported by name, give chunk k of
+  rank r the layers of virtual stage `virtual_stage("v", p, r, k)`; global layer numbers are true depth,
+  so checkpoint names and initialisation by global layer index match a PP=1 model.
+- stage roles: the first virtual stage is (rank 0, chunk 0), as in megatron; the last is (rank 0,
+  chunk 1). So only "last" changes: `parallel_state.is_pipeline_last_stage` (all callers), and the
+  bindings of `pipeline_parallel.utils.is_pp_last_stage` that mean "this rank holds the loss"
+  (megatron.training.training: get_model's post_process, train_step's and evaluate's loss reduction;
+  megatron.training.models.gpt). The bindings used for p2p (p2p_communication, schedules, utils'
+  get_pp_next_rank) keep the physical ring meaning.
+- embeddings: both ends of the model live on rank 0, so the embedding group is [first pipeline rank]
+  (`parallel_state.default_embedding_ranks`, read when the groups are created: install first). Tied
+  embeddings keep two copies on rank 0 (chunk 0's embedding, chunk 1's output layer): get_model copies
+  the first into the second (`tie_v_output_weights`) and finalize_model_grads sums their gradients
+  (`sum_v_tied_embedding_grads`); `get_pp_last_rank` there (source of the num_tokens broadcast) is rank 0.
+- Float16Module (fp16/bf16) upcasts the output of (rank 0, chunk 1), not of (rank p-1, chunk 1).
+
+Every replacement falls back to megatron's function when the config or process group has one pipeline
+stage (a PP=1 reference model can be built while installed) or after `uninstall()`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+from ..schedules.schedule import stage_owner, virtual_stage
+from . import imports
+from ._patching import Patcher, PatchError, check_megatron_core_version
+
+LAYOUT = "v"
+CHUNKS = 2  # model chunks per rank under V
+# Config options that place layers by other rules; V refuses them rather than mixing two placements.
+_CONFLICTING_OPTIONS = ("pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
+                        "num_layers_in_last_pipeline_stage", "mtp_num_layers")
+_CONFLICTING_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+
+
+# ---------------------------------------------------------------- the V rule (pure)
+
+
+def v_layer_range(num_layers: int, stages: int, rank: int, chunk: int) -> range:
+    """Global 0-based indices of the transformer layers held by (rank, chunk) under V.
+
+    The model is cut into 2p virtual stages of L/(2p) layers; (rank, chunk) holds virtual stage
+    `virtual_stage("v", p, rank, chunk)`, i.e. r for chunk 0 and 2p-1-r for chunk 1.
+    """
+    if stages < 1:
+        raise PatchError(f"ZB-V needs at least one pipeline stage, got p={stages}")
+    if not 0 <= rank < stages:
+        raise PatchError(f"pipeline rank {rank} is outside 0..{stages - 1} for p={stages}")
+    if chunk not in range(CHUNKS):
+        raise PatchError(f"ZB-V has model chunks 0 and 1 on each rank, got chunk {chunk}")
+    virtual_stages = CHUNKS * stages
+    if num_layers % virtual_stages:
+        raise PatchError(
+            f"ZB-V splits the model into 2p = {virtual_stages} virtual stages (p={stages}), but num_layers = "
+            f"{num_layers} is not a multiple of {virtual_stages} ({num_layers} % {virtual_stages} = "
+            f"{num_layers % virtual_stages}); choose a num_layers divisible by {virtual_stages}"
+        )
+    per_stage = num_layers // virtual_stages
+    vstage = virtual_stage(LAYOUT, stages, rank, chunk)
+    return range(vstage * per_stage, (vstage + 1) * per_stage)
+
+
+def v_first_stage_owner(stages: int) -> tuple[int, int]:
+    """(rank, chunk) holding the embedding: (0, 0)."""
+    return stage_owner(LAYOUT, stages, 0)
+
+
+def v_last_stage_owner(stages: int) -> tuple[int, int]:
+    """(rank, chunk) holding final norm, output layer and loss: (0, 1)."""
+    return stage_owner(LAYOUT, stages, CHUNKS * stages - 1)
+
+
+def v_stage_roles(stages: int, rank: int, chunk: int) -> tuple[bool, bool]:
+    """(is first stage, is last stage) of (rank, chunk): megatron's pre_process / post_process."""
+    return (rank, chunk) == v_first_stage_owner(stages), (rank, chunk) == v_last_stage_owner(stages)
+
+
+def v_embedding_ranks(pp_ranks: list[int]) -> list[int]:
+    """Global ranks holding word embeddings (first and last virtual stage) in one pipeline: [pp_ranks[0]].
+
+    Pass as `get_embedding_ranks` to `initialize_model_parallel` (the installed patch does it by default).
+    """
+    stages = len(pp_ranks)
+    if stages == 1:
+        return [pp_ranks[0]]
+    owners = sorted({v_first_stage_owner(stages)[0], v_last_stage_owner(stages)[0]})
+    return [pp_ranks[rank] for rank in owners]
+
+
+# ---------------------------------------------------------------- tied embeddings on rank 0 (torch)
+
+
+def _tied_pair(model_chunks):
+    """(chunk 0's embedding weight, chunk 1's output weight) if this rank holds both ends with tied
+    embeddings and separate weights, else None."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    if not isinstance(model_chunks, (list, tuple)) or len(model_chunks) != CHUNKS:
+        return None
+    first, last = (get_attr_wrapped_model(c, "pre_process", return_model_obj=True) for c in model_chunks)
+    if not (first.pre_process and last.post_process and not last.pre_process):
+        return None
+    if not getattr(last, "share_embeddings_and_output_weights", False):
+        return None
+    return first.shared_embedding_or_output_weight(), last.shared_embedding_or_output_weight()
+
+
+def tie_v_output_weights(model_chunks) -> bool:
+    """Copy chunk 0's word embedding into chunk 1's output layer on the rank holding both (tied
+    embeddings; megatron zeroes that copy and expects a cross-rank all-reduce). True if copied."""
+    import torch
+
+    pair = _tied_pair(model_chunks)
+    if pair is None:
+        return False
+    with torch.no_grad():
+        pair[1].data.copy_(pair[0].data)
+    return True
+
+
+def sum_v_tied_embedding_grads(model_chunks) -> bool:
+    """Give both copies of a tied embedding the sum of their gradients (main_grad under megatron DDP),
+    as megatron's first/last-stage all-reduce does across ranks. True if summed."""
+    pair = _tied_pair(model_chunks)
+    if pair is None:
+        return False
+    attr = "main_grad" if hasattr(pair[0], "main_grad") else "grad"
+    grads = [getattr(weight, attr, None) for weight in pair]
+    if any(g is None for g in grads):
+        return False
+    total = grads[0] + grads[1]
+    for grad in grads:
+        grad.copy_(total)
+    return True
+
+
+# ---------------------------------------------------------------- the patch
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+class VShapePlacement:
+    """Owns the Patcher and the installed state (p); the replacements below consult `self.stages`."""
+
+    def __init__(self):
+        self.patcher = Patcher("vshape_layout")
+        self.stages: int | None = None  # p while installed
+        self._originals: dict[str, object] = {}  # megatron's functions, kept for late-bound replacements
+
+    @property
+    def installed(self) -> bool:
+        return self.stages is not None
+
+    # -- install / uninstall
+
+    def install(self, stages: int) -> None:
+        if self.stages == stages:
+            return
+        if self.installed:
+            self.uninstall()
+        if not isinstance(stages, int) or stages < 2:
+            raise PatchError(f"the V placement needs a pipeline of at least 2 ranks, got p={stages!r}")
+        check_megatron_core_version()
+        imports.install()  # megatron.core must import without triton
+        parallel_state = _module("megatron.core.parallel_state")
+        self._refuse_existing_embedding_group(parallel_state)
+        layer = _module("megatron.core.transformer.transformer_layer")
+        block = _module("megatron.core.transformer.transformer_block")
+        finalize = _module("megatron.core.distributed.finalize_model_grads")
+        module = _module("megatron.core.transformer.module")
+        training = self._training_modules()
+
+        self.stages = stages
+        try:
+            self._replace_everywhere(layer, "get_transformer_layer_offset", self.get_transformer_layer_offset)
+            self._replace_everywhere(block, "get_num_layers_to_build", self.get_num_layers_to_build)
+            self._replace_everywhere(parallel_state, "is_pipeline_last_stage", self.is_pipeline_last_stage)
+            self._replace_everywhere(parallel_state, "default_embedding_ranks", self.default_embedding_ranks)
+            self._replace(finalize, "get_pp_last_rank", self.get_pp_last_rank)
+            self._replace(finalize, "_allreduce_word_embedding_grads", self.allreduce_word_embedding_grads)
+            self._replace(module.Float16Module, "forward", self._float16_forward(module.Float16Module.forward))
+            for loss_holder in training["loss_holders"]:
+                self._replace(loss_holder, "is_pp_last_stage", self.is_pp_last_stage)
+            if training["get_model"] is not None:
+                self._replace_everywhere(training["get_model"], "get_model", self.get_model)
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        self.patcher.restore()
+        self.stages = None
+
+    @staticmethod
+    def _training_modules() -> dict:
+        """megatron.training modules whose `is_pp_last_stage` means "holds the loss" (imported now, so
+        their by-name bindings exist to be patched); empty when megatron.training is not installed."""
+        if importlib.util.find_spec("megatron.training") is None:
+            return {"loss_holders": [], "get_model": None}
+        training = _module("megatron.training.training")
+        return {"loss_holders": [training, _module("megatron.training.models.gpt")], "get_model": training}
+
+    @staticmethod
+    def _refuse_existing_embedding_group(parallel_state) -> None:
+        import torch
+
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        group = parallel_state.get_embedding_group(check_initialized=False)
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            raise PatchError(
+                "megatron's embedding group spans the first and last pipeline ranks; under ZB-V both ends "
+                "live on rank 0: install the V placement patch before initialize_model_parallel (or pass "
+                "get_embedding_ranks=v_embedding_ranks)"
+            )
+
+    def _replace(self, owner, attr: str, new) -> None:
+        self._originals.setdefault(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr))
+        self.patcher.replace(owner, attr, new)
+
+    def _replace_everywhere(self, source, attr: str, new) -> None:
+        """Replace `source.attr` and every megatron module's by-name binding of the same function.
+        Modules imported later bind the replacement, which falls back to megatron's after uninstall."""
+        original = getattr(source, attr)
+        self._originals[attr] = original
+        self.patcher.replace(source, attr, new)
+        for name, mod in list(sys.modules.items()):
+            namespace = getattr(mod, "__dict__", None)
+            if mod is source or namespace is None or not name.startswith("megatron.") or name.startswith(
+                "megatron.zero_bubble"
+            ):
+                continue
+            for binding, value in list(namespace.items()):
+                if value is original:
+                    self.patcher.replace(mod, binding, new)
+
+    def _original(self, key: str):
+        return self._originals[key]
+
+    # -- checks shared by the replacements
+
+    def _applies_to_config(self, config) -> bool:
+        """Whether V places this config's layers; PatchError for configs V cannot build."""
+        size = config.pipeline_model_parallel_size
+        if not self.installed or size == 1:
+            return False
+        self._check_pipeline_size(size)
+        if config.virtual_pipeline_model_parallel_size != CHUNKS:
+            raise PatchError(
+                f"ZB-V needs virtual_pipeline_model_parallel_size={CHUNKS} (two chunks per rank), "
+                f"got {config.virtual_pipeline_model_parallel_size}"
+            )
+        for option in _CONFLICTING_OPTIONS:
+            if getattr(config, option, None):
+                raise PatchError(f"the V placement does not support {option}={getattr(config, option)!r}")
+        for flag in _CONFLICTING_FLAGS:
+            if getattr(config, flag, False):
+                raise PatchError(f"the V placement does not support {flag}=True")
+        return True
+
+    def _check_pipeline_size(self, size: int) -> None:
+        if size != self.stages:
+            raise PatchError(
+                f"the V placement patch was installed for p={self.stages} pipeline ranks, "
+                f"but megatron runs with pipeline_model_parallel_size={size}"
+            )
+
+    def _chunk_layers(self, config, vp_stage, pp_rank) -> range:
+        if vp_stage is None:
+            raise PatchError("under the V placement every model chunk must be built with vp_stage 0 or 1")
+        if pp_rank is None:
+            from megatron.core import parallel_state
+
+            pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        return v_layer_range(config.num_layers, self.stages, pp_rank, vp_stage)
+
+    # -- replacements (signatures as in megatron-core 0.19.2)
+
+    def get_transformer_layer_offset(self, config, vp_stage=None, pp_rank=None):
+        if not self._applies_to_config(config):
+            return self._original("get_transformer_layer_offset")(config, vp_stage, pp_rank)
+        return self._chunk_layers(config, vp_stage, pp_rank).start
+
+    def get_num_layers_to_build(self, config, vp_stage=None, pp_rank=None) -> int:
+        if not self._applies_to_config(config):
+            return self._original("get_num_layers_to_build")(config, vp_stage, pp_rank)
+        # Every virtual stage has L/(2p) layers; chunk 0 stands in when the caller has no vp_stage.
+        return len(self._chunk_layers(config, 0 if vp_stage is None else vp_stage, pp_rank))
+
+    def is_pipeline_last_stage(self, ignore_virtual=True, vp_stage=None) -> bool:
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_pipeline_model_parallel_world_size()
+        if not self.installed or size == 1:
+            return self._original("is_pipeline_last_stage")(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+        self._check_pipeline_size(size)
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        last_rank, last_chunk = v_last_stage_owner(self.stages)
+        if ignore_virtual:
+            return rank == last_rank  # "this rank holds the last stage" (data loading, loss)
+        vp_size = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        if vp_size != CHUNKS or vp_stage is None:
+            raise PatchError(
+                f"under the V placement is_pipeline_last_stage(ignore_virtual=False) needs virtual pipeline "
+                f"size {CHUNKS} and a vp_stage, got size {vp_size} and vp_stage {vp_stage}"
+            )
+        return (rank, vp_stage) == (last_rank, last_chunk)
+
+    def is_pp_last_stage(self, pp_group) -> bool:
+        """Binding used where megatron asks whether this rank holds the loss."""
+        from megatron.core.utils import get_pg_rank, get_pg_size
+
+        size = get_pg_size(pp_group)
+        if not self.installed or size == 1:
+            from megatron.core.pipeline_parallel import utils
+
+            return utils.is_pp_last_stage(pp_group)  # the source is never replaced
+        self._check_pipeline_size(size)
+        return get_pg_rank(pp_group) == v_last_stage_owner(self.stages)[0]
+
+    def get_pp_last_rank(self, pp_group) -> int:
+        import torch
+
+        ranks = torch.distributed.get_process_group_ranks(pp_group)
+        if not self.installed or len(ranks) == 1:
+            from megatron.core.pipeline_parallel import utils
+
+            return utils.get_pp_last_rank(pp_group)
+        self._check_pipeline_size(len(ranks))
+        return ranks[v_last_stage_owner(self.stages)[0]]
+
+    def default_embedding_ranks(self, pp_ranks):
+        if not self.installed:
+            return self._original("default_embedding_ranks")(pp_ranks)
+        if len(pp_ranks) > 1:
+            self._check_pipeline_size(len(pp_ranks))
+        return v_embedding_ranks(pp_ranks)
+
+    def allreduce_word_embedding_grads(self, model, config, embd_group=None, pp_group=None):
+        self._original("megatron.core.distributed.finalize_model_grads._allreduce_word_embedding_grads")(
+            model, config, embd_group, pp_group
+        )
+        if self.installed:
+            sum_v_tied_embedding_grads(model)
+
+    def get_model(self, *args, **kwargs):
+        model = self._original("get_model")(*args, **kwargs)
+        if self.installed:
+            tie_v_output_weights(model if isinstance(model, list) else [model])
+        return model
+
+    def _float16_forward(self, original):
+        """Float16Module.forward with the fp32 upcast on the V last stage instead of (p-1, chunk 1)."""
+        placement = self
+
+        def forward(module, *inputs, fp32_output=True, **kwargs):
+            if not placement.installed or module.vp_size is None:
+                return original(module, *inputs, fp32_output=fp32_output, **kwargs)
+            from megatron.core import parallel_state
+            from megatron.core.transformer.module import float16_to_fp32
+            from megatron.core.utils import get_pg_rank, get_pg_size
+
+            pp_group = module.pg_collection.pp if module.pg_collection is not None else (
+                parallel_state.get_pipeline_model_parallel_group())
+            if get_pg_size(pp_group) == 1:
+                return original(module, *inputs, fp32_output=fp32_output, **kwargs)
+            # Inputs are cast on (rank 0, chunk 0) as megatron does; only the upcast moves.
+            outputs = original(module, *inputs, fp32_output=False, **kwargs)
+            if fp32_output and (get_pg_rank(pp_group), module.vp_stage) == v_last_stage_owner(placement.stages):
+                outputs = float16_to_fp32(outputs)
+            return outputs
+
+        return forward
+
+
+_PLACEMENT = VShapePlacement()
+
+
+def install(stages: int) -> None:
+    """Make megatron-core build and run the V placement for p = `stages` pipeline ranks (idempotent;
+    a different p re-installs). Call before initialize_model_parallel and before building the model."""
+    _PLACEMENT.install(stages)
+
+
+def uninstall() -> None:
+    """Restore every binding replaced by `install()`."""
+    _PLACEMENT.uninstall()
+
+
+def installed() -> bool:
+    return _PLACEMENT.installed
+
+
+def installed_stages() -> int | None:
+    """p while the V placement is installed, else None."""
+    return _PLACEMENT.stages

@@ -1,0 +1,289 @@
+"""Run this rank's part of a schedule inside Megatron's training loop.
+
+`PipelineExecutor` is called exactly like megatron-core's `forward_backward_pipelining_*` functions. It
+never decides order: it walks the lowered program of its pipeline rank (compute passes with the sends and
+receives between them) and runs F with Megatron's own `forward_step`, B with the weight-gradient part
+deferred into the chunk's WeightGradStore, W by running that store's oldest microbatch, and BW as
+Megatron's ordinary backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..schedules.comm import Recv, Send, consumed, lower, produced
+from ..schedules.schedule import Pass, Schedule, ScheduleError
+from .p2p import PipelineTransport
+from .wgrad_store import WeightGradStore
+
+
+@dataclass
+class IterationStats:
+    """What one iteration held, to check the planner's memory model against reality."""
+
+    peak_activations: int = 0  # (microbatch, chunk) pairs whose F ran and whose B has not
+    peak_in_flight: int = 0  # pairs whose F ran and whose W (or BW) has not
+    peak_wgrad_bytes: int = 0  # bytes kept for deferred W (inputs and output gradients of linear layers)
+    pass_times: list[tuple[str, int, int, float]] = field(default_factory=list)  # (op, chunk, mb, seconds)
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The same schedule with only its F passes (evaluation)."""
+    ranks = [[p for p in passes if p.op == "F"] for passes in schedule.ranks]
+    return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
+
+
+def _combined(funcs):
+    """Megatron keeps one no_sync/grad_sync function per model chunk when there are several."""
+    if funcs is None or not isinstance(funcs, (list, tuple)):
+        return funcs
+
+    @contextlib.contextmanager
+    def all_chunks():
+        with contextlib.ExitStack() as stack:
+            for f in funcs:
+                stack.enter_context(f())
+            yield
+
+    return all_chunks
+
+
+class PipelineExecutor:
+    """A drop-in for megatron-core's forward_backward_pipelining_* that interprets a Schedule.
+
+    plan_for(num_microbatches) returns the Schedule to run (the same object while the plan is unchanged,
+    so its lowering is computed once). pass_timer, when set, is called with (op, chunk, mb, seconds) for
+    every pass; timing synchronises the device, so enable it only for profiling windows.
+    """
+
+    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None):
+        self.plan_for = plan_for
+        self.pass_timer = pass_timer
+        self.stores: list[WeightGradStore] = []
+        self._attached_to: list[int] = []
+        self._lowered: dict[tuple[int, bool], tuple[Schedule, list]] = {}
+        self.last_stats = IterationStats()
+
+    # -- set-up checks and caches --------------------------------------------------------------------
+    def _stores_for(self, chunks: list[torch.nn.Module]) -> list[WeightGradStore]:
+        if self._attached_to != [id(c) for c in chunks]:
+            for store in self.stores:
+                store.detach()
+            self.stores = [WeightGradStore(name=f"chunk {k}") for k in range(len(chunks))]
+            for store, chunk in zip(self.stores, chunks):
+                store.attach(chunk)
+            self._attached_to = [id(c) for c in chunks]
+        return self.stores
+
+    def _program(self, schedule: Schedule, rank: int, forward_only: bool) -> tuple[Schedule, list]:
+        key = (id(schedule), forward_only)
+        cached = self._lowered.get(key)
+        if cached is None or cached[0] is not schedule:
+            run = forward_only_schedule(schedule) if forward_only else schedule
+            cached = self._lowered[key] = (schedule, (run, lower(run)))
+        run, programs = cached[1]
+        return run, programs[rank]
+
+    @staticmethod
+    def check_run_matches(schedule: Schedule, pp_size: int, num_chunks: int, num_microbatches: int) -> None:
+        if schedule.stages != pp_size:
+            raise ScheduleError(
+                f"the schedule '{schedule.name}' is for {schedule.stages} pipeline stages but the run has "
+                f"--pipeline-model-parallel-size {pp_size}"
+            )
+        if schedule.microbatches != num_microbatches:
+            raise ScheduleError(
+                f"the schedule '{schedule.name}' is for {schedule.microbatches} microbatches but the run has "
+                f"{num_microbatches} (global batch / (micro batch x data parallel))"
+            )
+        if schedule.chunks != num_chunks:
+            raise ScheduleError(
+                f"the schedule '{schedule.name}' places {schedule.chunks} model chunk(s) per rank but the model "
+                f"has {num_chunks}"
+            )
+
+    # -- the megatron-compatible entry ---------------------------------------------------------------
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        seq_length: int,
+        micro_batch_size: int,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn: Callable | None = None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ):
+        from megatron.core.pipeline_parallel import schedules as mcore
+        from megatron.core.utils import get_model_config
+
+        chunks = model if isinstance(model, list) else [model]
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        if len(iterators) != len(chunks):
+            raise ValueError(f"expected one data iterator per model chunk ({len(chunks)}), got {len(iterators)}")
+        config = get_model_config(chunks[0])
+        if adjust_tensor_shapes_fn is not None or config.variable_seq_lengths:
+            raise ValueError("the zero-bubble runtime needs fixed pipeline tensor shapes (no variable_seq_lengths)")
+        if pg_collection is None:
+            pg_collection = mcore._build_default_pg_collection()
+        pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
+        schedule = self.plan_for(num_microbatches)
+        self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)
+        rank = pp_group.rank()
+        run, program = self._program(schedule, rank, forward_only)
+        shape = mcore.get_tensor_shapes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp,
+        )[0]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        iteration = _Iteration(
+            executor=self, mcore=mcore, schedule=run, rank=rank, chunks=chunks, iterators=iterators,
+            config=config, forward_step_func=forward_step_func, num_microbatches=num_microbatches,
+            cp_size=pg_collection.cp.size(), forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            transport=PipelineTransport(pp_group, tuple(shape), config.pipeline_dtype, device), device=device,
+            stores=self._stores_for(chunks),
+        )
+        if config.timers is not None:
+            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        no_sync = _combined(config.no_sync_func) or contextlib.nullcontext
+        with no_sync():  # gradients are reduced once, after the last W, as megatron does after its last backward
+            iteration.run(program)
+        if not forward_only:
+            grad_sync = config.grad_sync_func
+            for k, chunk in enumerate(chunks if grad_sync is not None else []):
+                (grad_sync[k] if isinstance(grad_sync, list) else grad_sync)(chunk.parameters())
+            if config.finalize_model_grads_func is not None:
+                config.finalize_model_grads_func(
+                    chunks,
+                    iteration.total_num_tokens if config.calculate_per_token_loss else None,
+                    pg_collection=pg_collection,
+                    force_all_reduce=force_all_reduce,
+                )
+        if config.timers is not None:
+            config.timers("forward-backward").stop()
+        self.last_stats = iteration.stats
+        return iteration.forward_data_store
+
+
+class _Iteration:
+    """The state of one forward-backward call: tensors in flight between passes of this rank."""
+
+    def __init__(self, *, executor, mcore, schedule, rank, chunks, iterators, config, forward_step_func,
+                 num_microbatches, cp_size, forward_only, collect_non_loss_data, first_val_step, transport,
+                 device, stores):
+        self.__dict__.update(locals())
+        del self.__dict__["self"]
+        self.last_vstage = schedule.num_virtual_stages - 1
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        self.saved: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output) kept for B
+        self.outgoing: dict = {}  # Message -> tensor to send at the next Send
+        self.handoff: dict = {}  # tensors crossing between two chunks of this rank (the turn of a V)
+        self.started_chunks: set[int] = set()
+        self.in_flight = 0
+        self.stats = IterationStats()
+
+    def run(self, program: list) -> None:
+        for item in program:
+            if isinstance(item, Recv):
+                self.transport.post_recv(item.msg)
+            elif isinstance(item, Send):
+                tensor, on_done = self.outgoing.pop(item.msg)
+                self.transport.post_send(item.msg, tensor, on_done)
+            else:
+                self.transport.reap_sends()
+                start = self._clock()
+                {"F": self.forward, "B": self.backward, "BW": self.backward, "W": self.weight}[item.op](item)
+                if self.executor.pass_timer is not None:
+                    seconds = self._clock() - start
+                    self.stats.pass_times.append((item.op, item.chunk, item.mb, seconds))
+                    self.executor.pass_timer(item.op, item.chunk, item.mb, seconds)
+                self._account()
+        self.transport.finish()
+        for store in self.stores:
+            if store.pending_count:
+                raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
+
+    def _clock(self) -> float:
+        if self.executor.pass_timer is not None and self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _account(self) -> None:
+        s = self.stats
+        s.peak_activations = max(s.peak_activations, len(self.saved))
+        s.peak_in_flight = max(s.peak_in_flight, self.in_flight)
+        s.peak_wgrad_bytes = max(s.peak_wgrad_bytes, sum(st.pending_bytes for st in self.stores))
+
+    def _incoming(self, p: Pass, kind: str, vstage: int):
+        need = consumed(self.schedule, self.rank, p)
+        return self.transport.wait_recv(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
+
+    def _outgoing(self, p: Pass, kind: str, tensor, to_vstage: int, on_done=None) -> None:
+        msg = produced(self.schedule, self.rank, p)
+        if msg is not None:
+            self.outgoing[msg] = (tensor, on_done)
+        else:  # the next stage is on this rank: hand over a fresh leaf, as a receive would
+            self.handoff[(kind, p.mb, to_vstage)] = tensor.detach().requires_grad_()
+            if on_done is not None:
+                on_done()
+
+    def forward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        input_tensor = None if vs == 0 else self._incoming(p, "act", vs)
+        output, num_tokens = self.mcore.forward_step(
+            self.forward_step_func, self.iterators[p.chunk], self.chunks[p.chunk], self.num_microbatches,
+            input_tensor, self.forward_data_store, self.config, cp_group_size=self.cp_size,
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=self.mcore.check_first_val_step(
+                self.first_val_step, self.forward_only, p.chunk not in self.started_chunks
+            ),
+            current_microbatch=p.mb,
+            vp_stage=p.chunk if len(self.chunks) > 1 else None,
+            is_last_stage=vs == self.last_vstage,
+        )
+        self.started_chunks.add(p.chunk)
+        self.total_num_tokens += num_tokens
+        free = None
+        if not self.forward_only:
+            self.saved[(p.mb, p.chunk)] = (input_tensor, output)
+            self.in_flight += 1
+            free = lambda: self.mcore.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+        if vs < self.last_vstage:
+            self._outgoing(p, "act", output, vs + 1, on_done=free)
+        elif free is not None:
+            free()
+
+    def backward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        input_tensor, output = self.saved.pop((p.mb, p.chunk))
+        sent = produced(self.schedule, self.rank, Pass("F", p.mb, p.chunk))
+        if sent is not None:
+            self.transport.complete_send(sent)  # the output must be freed before megatron's custom_backward
+        output_grad = None if vs == self.last_vstage else self._incoming(p, "grad", vs)
+        store = self.stores[p.chunk]
+        if p.op == "B":
+            with store.split_backward():
+                input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
+            store.close_microbatch(p.mb)
+        else:
+            input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
+            self.in_flight -= 1
+        if vs > 0:
+            self._outgoing(p, "grad", input_grad, vs - 1)
+
+    def weight(self, p: Pass) -> None:
+        self.stores[p.chunk].run_next(p.mb)
+        self.in_flight -= 1

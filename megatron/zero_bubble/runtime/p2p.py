@@ -1,0 +1,64 @@
+"""Point-to-point transport for the lowered schedule: post receives and sends, wait where a pass needs them.
+
+Operations are posted one by one with torch.distributed.isend/irecv on the pipeline group; the lowering
+(schedules/comm.py) already put them in an order that matches in posting order between every two ranks,
+which is how both NCCL and gloo pair untagged messages.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.comm import Message
+
+
+class PipelineTransport:
+    def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        self.group = pp_group
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
+        self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object]] = {}
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def post_recv(self, msg: Message) -> None:
+        # Megatron receives activations and gradients into leaf tensors that require grad.
+        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
+        self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer)
+
+    def wait_recv(self, msg: Message) -> torch.Tensor:
+        if msg not in self._recvs:
+            raise RuntimeError(f"the lowered schedule never posted the receive of {msg.describe()}")
+        work, buffer = self._recvs.pop(msg)
+        work.wait()
+        return buffer
+
+    def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None) -> None:
+        """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output)."""
+        if tuple(tensor.shape) != self.shape:
+            raise RuntimeError(
+                f"pipeline tensor for {msg.describe()} has shape {tuple(tensor.shape)}, expected {self.shape} "
+                f"(variable sequence lengths are not supported by the zero-bubble runtime)"
+            )
+        payload = tensor.detach().to(self.dtype).contiguous()  # kept alive until the send completes
+        self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload, on_done)
+
+    def complete_send(self, msg: Message) -> None:
+        """Wait for one send (if still pending) and run its completion callback."""
+        entry = self._sends.pop(msg, None)
+        if entry is not None:
+            entry[0].wait()
+            if entry[2] is not None:
+                entry[2]()
+
+    def reap_sends(self, block: bool = False) -> None:
+        """Complete the sends that are done (all of them when block=True), releasing their buffers."""
+        for msg in [m for m, (work, _, _) in self._sends.items() if block or work.is_completed()]:
+            self.complete_send(msg)
+
+    def finish(self) -> None:
+        self.reap_sends(block=True)
+        if self._recvs:
+            left = ", ".join(m.describe() for m in self._recvs)
+            raise RuntimeError(f"receives posted but never consumed: {left}")

@@ -1,0 +1,373 @@
+"""`zb-schedule`: plan, simulate, draw, export and compare pipeline schedules without any GPU.
+
+    zb-schedule export   --schedule zb-h1 --stages 4 --microbatches 8 [-o plan.json]
+    zb-schedule simulate --schedule zb-auto -p 8 -m 24 --memory-limit 16 --t-f 18.5 --t-b 18.1 --t-w 9.3
+    zb-schedule draw     --input plan.json -o plan.png        (no -o: a text picture on stdout)
+    zb-schedule compare  --schedules 1f1b,zb-h1,zb-v --model 1.5b -m 24 [-o all.svg]
+
+Every planner is reached through `planners.plan`; bad input ends with one line on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from .costs import DEFAULT_MW_RATIO, Costs
+from .draw import check_picture_path, comparison_table, draw, draw_stacked, render_text, simulation_report
+from .planners import SCHEDULE_NAMES, PlanRequest, natural_chunks, plan
+from .schedule import Schedule, ScheduleError, stage_owner
+from .simulate import Timeline, simulate
+from .validate import validate
+
+PROG = "zb-schedule"
+# The paper's evaluated models (seq 1024); the vocabulary is GPT-2's padded to a multiple of 128 (our choice).
+MODEL_PRESETS = {
+    "1.5b": dict(layers=22, hidden=2304, heads=24, micro_batch=6, stages=8),
+    "6.2b": dict(layers=30, hidden=4096, heads=32, micro_batch=3, stages=8),
+    "14.6b": dict(layers=46, hidden=5120, heads=40, micro_batch=1, stages=16),
+    "28.3b": dict(layers=62, hidden=6144, heads=48, micro_batch=1, stages=32),
+}
+PRESET_SEQ_LENGTH, PRESET_VOCAB = 1024, 50304
+_SHAPE_OPTIONS = ("layers", "hidden", "heads", "seq_length", "micro_batch_size", "vocab_size")
+_BYTE_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported as one line, like ScheduleError."""
+
+
+class PlannerUnavailable(ScheduleError):
+    """The planner's module is not part of this installation (yet)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage and exit; we want one line
+        raise UsageError(message)
+
+
+class _Progress:
+    """Shows the planner's progress lines on stderr once a run has taken more than a second."""
+
+    def __init__(self, name: str, stream=None):
+        self.name, self.stream, self.started, self.shown = name, stream or sys.stderr, time.monotonic(), False
+
+    def __call__(self, line: str) -> None:
+        if time.monotonic() - self.started >= 1.0:
+            self.shown = getattr(self.stream, "isatty", lambda: False)()  # a terminal gets one updated line
+            text = f"{PROG}: {self.name}: {line}"
+            self.stream.write(f"\r{text:<78}" if self.shown else text + "\n")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+
+
+def parse_memory_limit(text: str | None) -> tuple[float | None, float | None]:
+    """'16' -> 16 in-flight microbatches; '40GiB' -> 40 * 2**30 bytes. Returns (microbatches, bytes)."""
+    if text is None:
+        return None, None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or (match.group(2) and match.group(2).lower() not in _BYTE_UNITS):
+        raise UsageError(f"memory limit {text!r} is neither a number of microbatches nor bytes like 40GiB")
+    value, unit = float(match.group(1)), match.group(2).lower()
+    return (None, value * _BYTE_UNITS[unit]) if unit else (value, None)
+
+
+def parse_times(text: str | None, what: str) -> float | list[float] | None:
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in text.split(",")]
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{what} must be a number or comma-separated numbers, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _per_virtual_stage(value, stages: int, chunks: int, layout: str, what: str):
+    """A rank's time (scalar or one per rank) is split evenly over its chunks; p*c values are taken as they are."""
+    if value is None or isinstance(value, float):
+        return None if value is None else value / chunks
+    if len(value) == stages * chunks:
+        return value
+    if len(value) == stages:
+        return [value[stage_owner(layout, stages, v)[0]] / chunks for v in range(stages * chunks)]
+    per_vstage = f" or one per virtual stage ({stages * chunks})" if chunks > 1 else ""
+    raise UsageError(f"{what} has {len(value)} values; give 1 or one per rank ({stages}){per_vstage}")
+
+
+def layout_of(name: str) -> str:
+    return {"interleaved-1f1b": "interleaved", "zb-v": "v", "v-half": "v", "v-min": "v"}.get(name, "single")
+
+
+def chunks_for(name: str, args) -> int:
+    """--chunks only means something to multi-chunk schedules; the others always run one chunk per rank."""
+    if natural_chunks(name) == 1:
+        return 1
+    return args.chunks if args.chunks is not None else natural_chunks(name)
+
+
+def _model_shape(args) -> dict | None:
+    given = {k: getattr(args, k) for k in _SHAPE_OPTIONS if getattr(args, k) is not None}
+    if args.model is None and not given:
+        return None
+    if args.model is None and len(given) < 4:
+        missing = [k for k in ("layers", "hidden", "heads", "micro_batch_size") if k not in given]
+        raise UsageError(f"a model shape needs --{', --'.join(m.replace('_', '-') for m in missing)} (or --model)")
+    shape = dict(MODEL_PRESETS[args.model]) if args.model else {}
+    shape.setdefault("seq_length", PRESET_SEQ_LENGTH)
+    shape.setdefault("vocab", PRESET_VOCAB)
+    renames = {"micro_batch_size": "micro_batch", "vocab_size": "vocab"}
+    shape.update({renames.get(k, k): v for k, v in given.items()})
+    shape.pop("stages", None)
+    return shape
+
+
+def costs_given(args) -> bool:
+    return _model_shape(args) is not None or any(getattr(args, k) is not None for k in ("t_f", "t_b", "t_w", "t_comm"))
+
+
+def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
+    """The cost model for one layout: pass times (per rank or per virtual stage) or a model shape."""
+    p = stages
+    shape = _model_shape(args)
+    times = {k: parse_times(getattr(args, k), "--" + k.replace("_", "-")) for k in ("t_f", "t_b", "t_w")}
+    t_comm = parse_times(args.t_comm, "--t-comm")
+    if isinstance(t_comm, list):
+        raise UsageError("--t-comm takes one number")
+    if shape is not None:
+        if any(v is not None for v in times.values()):
+            raise UsageError("give either pass times (--t-f, --t-b, --t-w) or a model shape, not both")
+        costs = Costs.from_model(**shape, num_virtual_stages=p * chunks)
+        return costs if t_comm is None else replace(costs, t_comm=t_comm)
+    per_stage = {k: _per_virtual_stage(v, p, chunks, layout, "--" + k.replace("_", "-")) for k, v in times.items()}
+    m_f = [1.0 / chunks] * (p * chunks)
+    return Costs.make(
+        p * chunks,
+        **{k: (1.0 / chunks if v is None else v) for k, v in per_stage.items()},
+        t_comm=t_comm or 0.0,
+        m_f=m_f,
+        m_w=[args.mw_ratio * x for x in m_f],
+        chunks=chunks,
+    )
+
+
+def _memory_limits(args, costs: Costs) -> tuple[float | None, float | None]:
+    microbatches, absolute = parse_memory_limit(args.memory_limit)
+    if absolute is not None and costs.memory_unit != "bytes":
+        raise UsageError("a memory limit in bytes needs costs in bytes: give a model shape (--model or --layers ...)")
+    return microbatches, absolute
+
+
+def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Costs, float]:
+    """Plan one named schedule on the command line's costs; returns it with its costs and planning seconds."""
+    if name not in SCHEDULE_NAMES:
+        raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+    if args.stages is None or args.microbatches is None:
+        raise UsageError("give --stages and --microbatches (or --input FILE)")
+    if args.stages < 2:
+        raise UsageError(f"a pipeline needs at least 2 stages, got --stages {args.stages}")
+    if args.chunks is not None and natural_chunks(name) == 1 and args.chunks != 1 and args.command != "compare":
+        raise UsageError(f"{name} runs one chunk per rank; --chunks applies to interleaved-1f1b and the V schedules")
+    if args.ilp_time_limit < 0:
+        raise UsageError(f"--ilp-time-limit must not be negative, got {args.ilp_time_limit}")
+    costs = build_costs(args, args.stages, chunks_for(name, args), layout_of(name))
+    memory_limit, memory_bytes = _memory_limits(args, costs)
+    progress = _Progress(name, progress_stream)
+    request = PlanRequest(
+        stages=args.stages,
+        microbatches=args.microbatches,
+        costs=costs,
+        chunks=None if natural_chunks(name) == 1 else chunks_for(name, args),
+        memory_limit=memory_limit,
+        memory_limit_absolute=memory_bytes,
+        ilp_time_limit=args.ilp_time_limit,
+        progress=progress,
+    )
+    started = time.perf_counter()
+    try:
+        schedule = plan(name, request)
+    except ImportError as e:  # planners are imported on use; a missing one should not break the others
+        raise PlannerUnavailable(f"the {name} planner is not available here ({e})") from None
+    finally:
+        progress.finish()
+    return schedule, costs, time.perf_counter() - started
+
+
+def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
+    """Read --input: the JSON's own costs unless cost options are given, then validate and simulate it."""
+    text = Path(args.input).read_text() if args.input != "-" else sys.stdin.read()
+    try:
+        schedule = Schedule.from_json(text)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        if isinstance(e, ScheduleError):
+            raise
+        raise ScheduleError(f"{args.input} is not a schedule JSON ({type(e).__name__}: {e})") from None
+    if costs_given(args):
+        costs = build_costs(args, schedule.stages, schedule.chunks, schedule.layout)
+    elif isinstance(schedule.info.get("costs"), dict):
+        costs = Costs.from_dict(schedule.info["costs"])
+    else:
+        costs = Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
+    memory_limit, memory_bytes = _memory_limits(args, costs)
+    return schedule, costs, validate(schedule, costs, memory_limit, memory_bytes)
+
+
+def _schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs, Timeline]:
+    if args.input is not None:
+        if args.schedule is not None:
+            raise UsageError("give either --schedule or --input, not both")
+        return load_schedule(args)
+    if args.schedule is None:
+        raise UsageError("give --schedule NAME or --input FILE")
+    schedule, costs, _ = plan_schedule(args, args.schedule, progress_stream)
+    return schedule, costs, simulate(schedule, costs)  # plan() has validated it already
+
+
+def _time_unit(args) -> str | None:
+    return "s" if args.input is None and _model_shape(args) is not None else None
+
+
+def cmd_export(args) -> None:
+    schedule, costs, timeline = _schedule_and_timeline(args)
+    schedule.info["costs"] = costs.to_dict()
+    schedule.info.setdefault("predicted", {}).update(
+        bubble_rate=timeline.bubble_rate,
+        bubble_rate_from_zero=timeline.bubble_rate_from_zero,
+        makespan=timeline.makespan,
+        peak_memory=timeline.peak_memory,
+    )
+    text = schedule.to_json(indent=1) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
+def cmd_simulate(args) -> None:
+    print(simulation_report(_schedule_and_timeline(args)[2]))
+
+
+def cmd_draw(args) -> None:
+    if args.output:
+        check_picture_path(args.output)
+    timeline = _schedule_and_timeline(args)[2]
+    if args.output:
+        draw(timeline, args.output, _time_unit(args))
+        print(f"wrote {args.output}")
+    else:
+        print(render_text(timeline, args.width))
+
+
+def cmd_compare(args) -> int:
+    names = [n.strip() for group in (args.schedules or []) for n in group.split(",") if n.strip()]
+    if not names:
+        raise UsageError("compare needs --schedules a,b,c (or --schedules repeated)")
+    if args.output:
+        check_picture_path(args.output)
+    rows, timelines, skipped = [], [], []
+    for name in names:
+        try:
+            schedule, costs, seconds = plan_schedule(args, name)
+        except ScheduleError as e:  # one schedule refusing the costs or the limit should not hide the others
+            skipped.append((name, e))
+            continue
+        timelines.append(simulate(schedule, costs))
+        rows.append((name, timelines[-1], seconds))
+    if not rows:
+        if len(skipped) == 1:
+            raise skipped[0][1]
+        raise ScheduleError("no schedule could be planned: " + "; ".join(f"{n}: {e}" for n, e in skipped))
+    for name, error in skipped:
+        print(f"{PROG}: skipped {name}: {error}", file=sys.stderr)
+    names = [row[0] for row in rows]
+    print(comparison_table(rows))
+    if args.output and args.separate:
+        out = Path(args.output)
+        for name, timeline in zip(names, timelines):
+            draw(timeline, out.with_name(f"{out.stem}-{name}{out.suffix}"), _time_unit(args))
+        print(f"wrote {len(names)} pictures next to {out}")
+    elif args.output:
+        draw_stacked(timelines, args.output, _time_unit(args))
+        print(f"wrote {args.output}")
+    return int(any(not isinstance(e, PlannerUnavailable) for _, e in skipped))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument("-p", "--stages", type=int, help="pipeline ranks p (default: the --model preset's)")
+    common.add_argument("-m", "--microbatches", type=int, help="microbatches m per iteration")
+    common.add_argument("--chunks", type=int, help="model chunks per rank for interleaved-1f1b (V schedules: 2)")
+    common.add_argument("--memory-limit", help="per-rank activation limit: in-flight microbatches "
+                        "(p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a model shape")
+    for name, what in (("t-f", "T_F"), ("t-b", "T_B"), ("t-w", "T_W")):
+        common.add_argument(f"--{name}", help=f"{what} of one rank (split over its chunks), or comma-separated "
+                            "per rank or per virtual stage (default 1)")
+    common.add_argument("--t-comm", help="T_comm, stage-to-stage send time (default 0)")
+    common.add_argument("--mw-ratio", type=float, default=DEFAULT_MW_RATIO,
+                        help=f"M_W / M_B with pass times (default {DEFAULT_MW_RATIO})")
+    common.add_argument("--model", choices=sorted(MODEL_PRESETS), help="costs from one of the paper's model shapes")
+    for name in ("layers", "hidden", "heads", "seq-length", "micro-batch-size", "vocab-size"):
+        common.add_argument(f"--{name}", type=int, help="model shape for Costs.from_model")
+    common.add_argument("--ilp-time-limit", type=float, default=10.0,
+                        help="seconds for zb-auto's ILP refinement (0: heuristic only)")
+    common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
+
+    parser = _Parser(prog=PROG, description="Plan, simulate, draw, export and compare zero-bubble pipeline schedules.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{export,simulate,draw,compare}")
+    helps = {"export": "print the schedule JSON", "simulate": "print bubble rates, makespan and peak memory",
+             "draw": "draw the timeline (PNG/SVG, or text without -o)"}
+    for cmd, text in helps.items():
+        sub = commands.add_parser(cmd, parents=[common], help=text, description=text)
+        sub.add_argument("--schedule", choices=SCHEDULE_NAMES, help="which planner")
+        sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
+        sub.add_argument("-o", "--output", help="output file" + (" (.png or .svg)" if cmd == "draw" else ""))
+        sub.add_argument("--width", type=int, default=100, help="text picture width (draw without -o)")
+        sub.set_defaults(run={"export": cmd_export, "simulate": cmd_simulate, "draw": cmd_draw}[cmd])
+    sub = commands.add_parser("compare", parents=[common], help="one table of several schedules on the same costs")
+    sub.add_argument("--schedules", "--schedule", action="append", help="comma-separated names, or repeat the option")
+    sub.add_argument("-o", "--output", help="a picture (.png/.svg) with all schedules stacked")
+    sub.add_argument("--separate", action="store_true", help="with -o: one picture per schedule, FILE-<name>.png")
+    sub.set_defaults(run=cmd_compare, input=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, code = None, 1
+    try:
+        args = build_parser().parse_args(argv)
+        if args.model and args.stages is None:
+            args.stages = MODEL_PRESETS[args.model]["stages"]
+        return args.run(args) or 0
+    except UsageError as e:
+        message, code = str(e), 2
+    except ScheduleError as e:
+        message = str(e)
+    except BrokenPipeError:  # output piped into `head`: nothing more to say
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+        return 1
+    except OSError as e:
+        message = f"{e.strerror or e}: {e.filename}" if e.filename else str(e)
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - a command-line tool answers with one line, not a traceback
+        if args is not None and getattr(args, "debug", False):
+            raise
+        message = f"internal error ({type(e).__name__}: {e}); rerun with --debug for the traceback"
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""Pictures and text views of a simulated schedule.
+
+`draw` writes PNG or SVG (chosen by the file suffix) with matplotlib, imported only when a picture is
+drawn so the planning layer imports without it: one row per rank, F/B/W/BW as coloured boxes, bubbles
+left blank. `render_text` gives a rough picture for the terminal; `simulation_report` and
+`comparison_table` are the tables `zb-schedule` prints.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .schedule import ScheduleError
+from .simulate import Timeline
+
+OP_COLOURS = {"F": "#5b9bd5", "B": "#70ad47", "W": "#f4a442", "BW": "#a58bd0"}
+OP_NAMES = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)"}
+PICTURE_SUFFIXES = (".png", ".svg")
+
+_ROW_INCHES = 0.42  # height of one rank's row
+_INCHES_PER_PASS = 0.2  # width given to each pass of the busiest rank, before the width is capped
+_MIN_WIDTH, _MAX_WIDTH = 8.0, 30.0
+_MAX_ASPECT = 4.0  # width / height of the whole figure
+_MIN_FONT = 4.5  # below this a label is unreadable, so it is dropped
+
+
+def describe_memory(value: float, unit: str) -> str:
+    """Activation memory in words: multiples of M_B, or GiB when the costs carry bytes."""
+    if unit == "bytes":
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value:.3g} M_B"
+
+
+def summary(timeline: Timeline) -> str:
+    """One line: schedule name, p, m, bubble rates and peak memory, as in the picture's title."""
+    s = timeline.schedule
+    chunks = f", {s.chunks} chunks ({s.layout})" if s.chunks > 1 else ""
+    peak = describe_memory(max(timeline.peak_memory, default=0.0), timeline.costs.memory_unit)
+    return (
+        f"{s.name or 'schedule'}: p={s.stages}, m={s.microbatches}{chunks}; bubble rate "
+        f"{timeline.bubble_rate:.2%} (per-rank span; {timeline.bubble_rate_from_zero:.2%} from time 0); "
+        f"peak activation memory {peak}"
+    )
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def simulation_report(timeline: Timeline) -> str:
+    """Both bubble rates (saying which is which), the makespan, and per rank its span, work and peak memory."""
+    s, unit = timeline.schedule, timeline.costs.memory_unit
+    lines = [
+        f"schedule {s.name or '(unnamed)'}: p={s.stages}, m={s.microbatches}, chunks={s.chunks} ({s.layout} layout)",
+        f"bubble rate, paper's measure (each rank from its own first to its own last pass): "
+        f"{timeline.bubble_rate:.4f}",
+        f"bubble rate, every rank from time 0 to the makespan: {timeline.bubble_rate_from_zero:.4f}",
+        f"makespan: {_fmt(timeline.makespan)}   peak activation memory (max over ranks): "
+        f"{describe_memory(max(timeline.peak_memory), unit)}",
+        "",
+        f"{'rank':>4}  {'start':>9}  {'end':>9}  {'busy':>9}  {'idle in span':>12}  peak memory",
+    ]
+    for r, passes in enumerate(timeline.ranks):
+        start, end, busy = passes[0].start, passes[-1].end, timeline.busy(r)
+        lines.append(
+            f"{r:>4}  {_fmt(start):>9}  {_fmt(end):>9}  {_fmt(busy):>9}  {_fmt(end - start - busy):>12}  "
+            f"{describe_memory(timeline.peak_memory[r], unit)}"
+        )
+    return "\n".join(lines)
+
+
+def comparison_table(rows: Sequence[tuple[str, Timeline, float]]) -> str:
+    """One line per (name, timeline, planning seconds), under a header saying which bubble rate is which."""
+    lines = [
+        "bubble (span): paper's measure, each rank from its own first pass; bubble (t=0): from time 0",
+        f"{'schedule':<17} {'chunks':>6} {'bubble (span)':>13} {'bubble (t=0)':>12} {'makespan':>10} "
+        f"{'peak memory':>12} {'plan s':>7}",
+    ]
+    for name, t, seconds in rows:
+        peak = describe_memory(max(t.peak_memory), t.costs.memory_unit)
+        lines.append(
+            f"{name:<17} {t.schedule.chunks:>6} {t.bubble_rate:>13.4f} {t.bubble_rate_from_zero:>12.4f} "
+            f"{_fmt(t.makespan):>10} {peak:>12} {seconds:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def chunk_colour(op: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """The op's colour, lighter for later chunks so chunk 1 of a V or interleaved layout stands out."""
+    base = OP_COLOURS.get(op, "#999999")
+    rgb = tuple(int(base[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    lighten = 0.55 * chunk / max(chunks - 1, 1)
+    return tuple(c + (1 - c) * lighten for c in rgb)
+
+
+def _figure_width(timelines: Sequence[Timeline]) -> float:
+    passes = max(len(r) for t in timelines for r in t.ranks)
+    return min(max(2.0 + _INCHES_PER_PASS * passes, _MIN_WIDTH), _MAX_WIDTH)
+
+
+def _label_font(timeline: Timeline, axes_width_in: float, xmax: float) -> float:
+    """One font size for the whole row set, from the typical (median) box width and the digits needed."""
+    widths = sorted(t.end - t.start for r in timeline.ranks for t in r if t.end > t.start)
+    if not widths:
+        return 0.0
+    points_per_time = axes_width_in * 72 / xmax
+    typical = widths[len(widths) // 2] * points_per_time
+    digits = len(str(timeline.schedule.microbatches - 1))
+    return min(8.0, _ROW_INCHES * 72 * 0.45, typical / (0.62 * digits + 0.5))
+
+
+def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_unit: str | None) -> None:
+    from matplotlib.patches import Patch
+
+    s = timeline.schedule
+    groups: dict[tuple[str, int], list[tuple[int, float, float]]] = {}
+    for rank, passes in enumerate(timeline.ranks):
+        for t in passes:
+            groups.setdefault((t.op.op, t.op.chunk), []).append((rank, t.start, t.end - t.start))
+    for (op, chunk), boxes in sorted(groups.items()):
+        colour = chunk_colour(op, chunk, s.chunks)
+        for rank in {b[0] for b in boxes}:
+            spans = [(start, width) for r, start, width in boxes if r == rank]
+            ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
+
+    font = _label_font(timeline, axes_width_in, xmax)
+    if font >= _MIN_FONT:
+        points_per_time = axes_width_in * 72 / xmax
+        for passes in timeline.ranks:
+            for t in passes:
+                text = str(t.op.mb)
+                if (t.end - t.start) * points_per_time >= font * (0.62 * len(text) + 0.2):
+                    ax.text((t.start + t.end) / 2, t.rank, text, ha="center", va="center", fontsize=font)
+
+    ax.set_ylim(len(timeline.ranks) - 0.5, -0.5)  # rank 0 on top, as in the paper's figures
+    ax.set_xlim(0, xmax)
+    step = max(1, len(timeline.ranks) // 16)
+    ax.set_yticks(range(0, len(timeline.ranks), step))
+    ax.set_yticklabels([f"rank {r}" for r in range(0, len(timeline.ranks), step)], fontsize=8)
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax.set_title(summary(timeline), fontsize=9)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+
+    ops = [op for op in ("F", "B", "W", "BW") if any(key[0] == op for key in groups)]
+    handles = [Patch(facecolor=chunk_colour(op, 0, s.chunks), label=OP_NAMES[op]) for op in ops]
+    if s.chunks > 1:
+        handles += [
+            Patch(facecolor=chunk_colour(op, s.chunks - 1, s.chunks), label=f"{op}, chunk {s.chunks - 1}") for op in ops
+        ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+
+
+def check_picture_path(path: str | Path) -> None:
+    """Refuse file names we cannot draw to, before any (possibly slow) planning happens."""
+    path = Path(path)
+    if path.suffix.lower() not in PICTURE_SUFFIXES:
+        raise ScheduleError(f"cannot draw to {path.name!r}: the file name must end in .png or .svg")
+
+
+def draw(timeline: Timeline, path: str | Path, time_unit: str | None = None) -> Path:
+    """Write the timeline as a picture; the suffix (.png or .svg) picks the format."""
+    return draw_stacked([timeline], path, time_unit)
+
+
+def draw_stacked(timelines: Sequence[Timeline], path: str | Path, time_unit: str | None = None) -> Path:
+    """Several timelines on one shared time axis, one panel each, to compare schedules at a glance."""
+    path = Path(path)
+    check_picture_path(path)
+    if not timelines:
+        raise ScheduleError("nothing to draw: no schedules were given")
+    # The object-oriented API with the Agg canvas: no pyplot state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    width = _figure_width(timelines)
+    heights = [len(t.ranks) * _ROW_INCHES + 1.0 for t in timelines]
+    stretch = max(1.0, width / _MAX_ASPECT / sum(heights))  # a long thin strip is hard to read when shrunk
+    heights = [h * stretch for h in heights]
+    fig = Figure(figsize=(width, sum(heights) + 0.3))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(timelines), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    left, right = 0.9 / width, 1 - 1.6 / width  # room for rank labels and the legend
+    fig.subplots_adjust(left=left, right=right, top=1 - 0.35 / sum(heights), bottom=0.55 / sum(heights), hspace=0.6)
+    xmax = max(t.makespan for t in timelines) or 1.0
+    for ax, timeline in zip(axes, timelines):
+        _draw_rows(ax, timeline, width * (right - left), xmax, time_unit)
+    fig.savefig(path, dpi=110 if width * sum(heights) > 300 else 140)
+    return path
+
+
+def render_text(timeline: Timeline, width: int = 100) -> str:
+    """A terminal picture: one line per rank, one character per time slice.
+
+    F, B, W and # (fused BW) for chunk 0, lower case f, b, w and + for later chunks, '.' for idle.
+    """
+    if width < 10:
+        raise ScheduleError(f"text width must be at least 10 characters, got {width}")
+    span = timeline.makespan or 1.0
+    label_width = len(f"rank {len(timeline.ranks) - 1} ")
+    cols = max(width - label_width - 2, 1)
+    lines = [summary(timeline)]
+    for rank, passes in enumerate(timeline.ranks):
+        row = ["."] * cols
+        for t in passes:
+            first, last = int(t.start / span * cols), max(int(t.end / span * cols) - 1, int(t.start / span * cols))
+            char = {"F": "F", "B": "B", "W": "W", "BW": "#"}[t.op.op]
+            if t.op.chunk:
+                char = char.lower() if char != "#" else "+"
+            for c in range(first, min(last, cols - 1) + 1):
+                row[c] = char
+        lines.append(f"rank {rank}".ljust(label_width) + "|" + "".join(row) + "|")
+    return "\n".join(lines)

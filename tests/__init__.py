@@ -1,0 +1,1 @@
+"""Tests of megatron-zero-bubble (a package, so tests/megatron is `tests.megatron`, never `megatron`)."""
