@@ -130,14 +130,16 @@ def zbv_table(rows, errors: list[str], goals: list[tuple[str, bool]]) -> None:
     reference = _torch_reference()
     skipped = "" if reference else "; torch column skipped: torch_reference unavailable"
     print(f"\nZB-V bubble rates (memory limit p M_B, 1F1B's), ours/paper{skipped}")
-    header = f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  {'ZB-V':>13}  {'peak M_B':>8}"
+    header = f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  {'ZB-V':>13}  {'peak M_B':>8}  {'plan s':>6}"
     print(header + (f"  {'torch ZB-V':>10}  {'peak M_B':>8}" if reference else ""))
     for index, (model, p, m, paper) in rows:
         label = f"{model}/{p}/{m}"
         costs = row_costs(model, p, chunks=2)
+        started = time.perf_counter()
         ours = _try(errors, f"{label} ZB-V", lambda: simulate(plan("zb-v", PlanRequest(p, m, costs, chunks=2)), costs))
+        seconds = time.perf_counter() - started
         line = f"{index:>3} {model:>6} {p:>3} {m:>4}  {_cell(ours and ours.bubble_rate, paper):>13}"
-        line += f"  {max(ours.peak_memory):>8.3g}" if ours else f"  {'n/a':>8}"
+        line += f"  {max(ours.peak_memory):>8.3g}  {seconds:>6.1f}" if ours else f"  {'n/a':>8}  {'':>6}"
         theirs = None
         if reference:
             theirs = _try(errors, f"{label} torch ZB-V", lambda: simulate(reference.torch_zbv_schedule(p, m), costs))

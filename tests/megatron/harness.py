@@ -44,6 +44,7 @@ class ModelSpec:
     seq_length: int = 32
     vocab_size: int = 128
     micro_batch_size: int = 2
+    tie_embeddings: bool = False  # with PP > 1 the two copies' gradients are summed by DDP's finalize step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ def free_port() -> int:
 
 
 def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-          cpu_backend: bool = True, **kwargs) -> list:
+          cpu_backend: bool = True, start_method: str = "spawn", **kwargs) -> list:
     """Run `scenario(*args, **kwargs)` on `world_size` spawned ranks joined by a gloo process group.
 
     `scenario` must be a module-level function (it is pickled by name). Returns the per-rank return
@@ -78,7 +79,7 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
             args=(world_size, free_port(), result_dir, cpu_backend, scenario, args, kwargs),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout
         try:
@@ -156,7 +157,7 @@ def transformer_config(spec: ModelSpec, **overrides):
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
@@ -165,7 +166,7 @@ def transformer_config(spec: ModelSpec, **overrides):
 
 
 def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) -> list:
-    """This rank's GPTModel chunks (local layer spec, untied embeddings), weights set by global name."""
+    """This rank's GPTModel chunks (local layer spec), weights set by global name."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -180,7 +181,7 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
             max_sequence_length=spec.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            share_embeddings_and_output_weights=False, vp_stage=stage,
+            share_embeddings_and_output_weights=spec.tie_embeddings, vp_stage=stage,
         ))
     init_weights_by_global_name(chunks, init_seed)
     return chunks
@@ -195,6 +196,8 @@ def global_param_names(chunk) -> dict[str, object]:
         if match:
             layer = module.decoder.layers[int(match.group(1))]
             name = f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+        elif name == "output_layer.weight" and getattr(param, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of a tied embedding
         named[name] = param
     return named
 
@@ -271,10 +274,10 @@ def wrap_in_ddp(chunks: list, ddp_config=None) -> list:
 
 
 def make_optimizer(chunks: list, optimizer_config=None):
-    """Megatron's optimizer (default: Adam, lr 1e-3, fp32, clip 1.0) over the (DDP-wrapped) chunks."""
+    """Megatron's optimizer (default: Adam, lr 1e-3, no weight decay, fp32, clip 1.0) over the chunks."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    optimizer_config = optimizer_config or OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0)
+    optimizer_config = optimizer_config or OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     return get_megatron_optimizer(optimizer_config, chunks)
 
 
@@ -293,8 +296,8 @@ def run_layout(layout: Layout, spec: ModelSpec, num_microbatches: int, *, ddp: b
     """Initialise `layout`, build the model, run one forward-backward (+ optional step); this rank's report.
 
     With `shard_data` (default: `ddp`) data-parallel replica r runs microbatches [r*m, (r+1)*m);
-    otherwise every replica runs [0, m). The report has dp_rank, losses, grads and (after a step) params
-    and grad_norm; merge them with `merge_by_dp_rank`.
+    otherwise every replica runs [0, m). The report has dp_rank, losses, grads, params (at the end, so
+    after the step if there is one) and grad_norm (None without a step); merge with `merge_by_dp_rank`.
     """
     from megatron.core import parallel_state
 
@@ -308,11 +311,12 @@ def run_layout(layout: Layout, spec: ModelSpec, num_microbatches: int, *, ddp: b
     dp_rank = parallel_state.get_data_parallel_rank()
     first = dp_rank * num_microbatches if (ddp if shard_data is None else shard_data) else 0
     report = {"dp_rank": dp_rank, "losses": run_forward_backward(chunks, spec, num_microbatches, first),
-              "grads": full_grads(chunks), "params": {}, "grad_norm": None}
+              "grads": full_grads(chunks), "grad_norm": None}
     if optimizer is not None:
         success, grad_norm, _ = optimizer.step()
         assert success, "optimizer step was skipped"
-        report.update(params=full_params(chunks), grad_norm=float(grad_norm))
+        report["grad_norm"] = float(grad_norm)
+    report["params"] = full_params(chunks)
     return report
 
 

@@ -3,6 +3,7 @@
 One spawned group of 4 ranks runs every scenario in turn (process start and megatron import are the
 slow part); the parent compares the reports with torch.equal.
 """
+import dataclasses
 import functools
 
 import pytest
@@ -13,6 +14,7 @@ from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec()
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
+V_SCHEDULES = ("zb-v", "v-half", "v-min")
 
 
 def _schedule_for(name: str, stages: int, microbatches: int):
@@ -26,37 +28,53 @@ def _cached_schedule(name, stages, microbatches):
     return _schedule_for(name, stages, microbatches)
 
 
-def _run_case(layout: Layout, schedule: str | None, m: int, ddp: bool, steps: int) -> dict:
-    """Run `steps` training iterations (forward-backward, and an optimizer step when steps > 1)."""
-    from megatron.zero_bubble.patches import linear_wgrad, schedule_selection
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    layout: Layout
+    schedule: str | None  # None: megatron-core's own schedule
+    microbatches: int
+    ddp: bool = False
+    steps: int = 1  # > 1: that many iterations with an Adam step after each
+    spec: ModelSpec = SPEC
+    forward_only: bool = False
+    patch_only: bool = False  # install the linear patch but run megatron's schedule
+
+
+def _run_case(case: Case) -> dict:
+    from megatron.core import parallel_state
+    from megatron.zero_bubble.patches import linear_wgrad, schedule_selection, vshape_layout
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
 
     executor = None
-    if schedule is not None:
+    if case.schedule in V_SCHEDULES:  # the V placement must be in place before the groups are made
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        vshape_layout.install(case.layout.pp)
+    if case.schedule is not None or case.patch_only:
         linear_wgrad.install()
-        executor = PipelineExecutor(lambda mbs: _cached_schedule(schedule, layout.pp, mbs))
+    if case.schedule is not None:
+        executor = PipelineExecutor(lambda mbs: _cached_schedule(case.schedule, case.layout.pp, mbs))
         schedule_selection.install(executor)
     try:
-        harness.init_parallel_state(layout.tp, layout.pp, layout.vpp)
-        chunks = harness.build_gpt_chunks(SPEC, init_seed=0)
-        if ddp:
+        harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
+        chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
+        if case.ddp:
             chunks = harness.wrap_in_ddp(chunks)
-        optimizer = harness.make_optimizer(chunks) if steps > 1 else None
-        losses = {}
-        for step in range(steps):
+        optimizer = harness.make_optimizer(chunks) if case.steps > 1 else None
+        m, losses = case.microbatches, {}
+        for step in range(case.steps):
             if optimizer is not None:
                 optimizer.zero_grad()
-            losses.update({(step, k): v for k, v in harness.run_forward_backward(chunks, SPEC, m, step * m).items()})
-            grads = harness.full_grads(chunks)  # the last step's gradients
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_only=case.forward_only)
+            losses.update({(step, k): v for k, v in step_losses.items()})
+            grads = {} if case.forward_only else harness.full_grads(chunks)  # the last step's gradients
             if optimizer is not None:
                 success, _, _ = optimizer.step()
                 assert success
-        from megatron.core import parallel_state
-
         return {
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "losses": losses,
             "grads": grads,
             "params": harness.full_params(chunks),
@@ -65,30 +83,41 @@ def _run_case(layout: Layout, schedule: str | None, m: int, ddp: bool, steps: in
     finally:
         schedule_selection.uninstall()
         linear_wgrad.uninstall()
+        vshape_layout.uninstall()
 
 
-# (label, layout, schedule or None for megatron's own, microbatches, megatron DDP, iterations)
+SPEC8 = ModelSpec(num_layers=8)
 CASES = [
-    ("pp4/megatron", Layout(pp=4), None, 8, False, 1),
-    ("pp4/1f1b", Layout(pp=4), "1f1b", 8, False, 1),
-    *[(f"pp4/{s}", Layout(pp=4), s, 8, False, 1) for s in ZB_SCHEDULES],
-    ("pp4/zb-h1/m3", Layout(pp=4), "zb-h1", 3, False, 1),
-    ("pp4/megatron/m3", Layout(pp=4), None, 3, False, 1),
-    ("pp2xdp2/megatron", Layout(pp=2), None, 4, True, 3),
-    *[(f"pp2xdp2/{s}", Layout(pp=2), s, 4, True, 3) for s in ZB_SCHEDULES],
-    ("tp2xpp2/megatron", Layout(tp=2, pp=2), None, 4, False, 1),
-    *[(f"tp2xpp2/{s}", Layout(tp=2, pp=2), s, 4, False, 1) for s in ZB_SCHEDULES],
+    Case("pp4/megatron", Layout(pp=4), None, 8),
+    Case("pp4/megatron+patch", Layout(pp=4), None, 8, patch_only=True),
+    Case("pp4/1f1b", Layout(pp=4), "1f1b", 8),
+    *[Case(f"pp4/{s}", Layout(pp=4), s, 8) for s in ZB_SCHEDULES],
+    Case("pp4/zb-h1/m3", Layout(pp=4), "zb-h1", 3),
+    Case("pp4/megatron/m3", Layout(pp=4), None, 3),
+    Case("pp4/megatron/eval", Layout(pp=4), None, 8, forward_only=True),
+    Case("pp4/zb-h2/eval", Layout(pp=4), "zb-h2", 8, forward_only=True),
+    Case("pp2xdp2/megatron", Layout(pp=2), None, 4, ddp=True, steps=3),
+    *[Case(f"pp2xdp2/{s}", Layout(pp=2), s, 4, ddp=True, steps=3) for s in ZB_SCHEDULES],
+    Case("tp2xpp2/megatron", Layout(tp=2, pp=2), None, 4),
+    *[Case(f"tp2xpp2/{s}", Layout(tp=2, pp=2), s, 4) for s in ZB_SCHEDULES],
+    Case("pp4vpp2/megatron", Layout(pp=4, vpp=2), None, 8, spec=SPEC8),
+    Case("pp4vpp2/interleaved-1f1b", Layout(pp=4, vpp=2), "interleaved-1f1b", 8, spec=SPEC8),
+    # ZB-V against a single-stage run of the same model (DP=4 replicas there, all on the same data)
+    Case("pp1/megatron", Layout(), None, 4),
+    Case("pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", 4),
+    Case("pp1/megatron/8", Layout(), None, 8, spec=SPEC8),
+    *[Case(f"pp4/{s}", Layout(pp=4, vpp=2), s, 8, spec=SPEC8) for s in V_SCHEDULES],
 ]
 
 
 def _all_cases():
-    return {label: _run_case(layout, schedule, m, ddp, steps) for label, layout, schedule, m, ddp, steps in CASES}
+    return {case.label: _run_case(case) for case in CASES}
 
 
 @pytest.fixture(scope="module")
 def reports():
     results = harness.spawn(_all_cases, 4, timeout=600)
-    return {label: [r[label] for r in results] for label, *_ in CASES}
+    return {case.label: [r[case.label] for r in results] for case in CASES}
 
 
 def _merged(per_rank):
@@ -101,10 +130,11 @@ def _merged(per_rank):
     return merged
 
 
-def _assert_identical(ours, reference):
+def _assert_identical(ours, reference, replicas=None):
     ours, reference = _merged(ours), _merged(reference)
-    assert ours.keys() == reference.keys()
-    for dp in reference:
+    if replicas is None:
+        assert ours.keys() == reference.keys()
+    for dp in replicas or reference:
         assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
         assert ours[dp]["grads"].keys() == reference[dp]["grads"].keys()
         for name, grad in reference[dp]["grads"].items():
@@ -132,13 +162,15 @@ def test_tp2_pp2_is_bit_identical(reports, schedule):
     _assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
 
 
-@pytest.mark.parametrize("label", [f"pp4/{s}" for s in ("1f1b",) + ZB_SCHEDULES] + ["pp4/zb-h1/m3", "tp2xpp2/zb-h2"])
+@pytest.mark.parametrize(
+    "label", [f"pp4/{s}" for s in ("1f1b",) + ZB_SCHEDULES + V_SCHEDULES] + ["pp4/zb-h1/m3", "tp2xpp2/zb-h2", "pp2xdp2/zb-v"]
+)
 def test_measured_peak_activations_equal_the_planners_prediction(reports, label):
     from megatron.zero_bubble.schedules import Costs
     from megatron.zero_bubble.schedules.memory import memory_profile
 
-    _, layout, name, m, _, _ = next(c for c in CASES if c[0] == label)
-    schedule = _schedule_for(name, layout.pp, m)
+    case = next(c for c in CASES if c.label == label)
+    schedule = _schedule_for(case.schedule, case.layout.pp, case.microbatches)
     n = schedule.num_virtual_stages
     held_for_b = memory_profile(schedule, Costs.make(n, m_f=1.0, m_w=0.0))
     held_until_w = memory_profile(schedule, Costs.make(n, m_f=1.0, m_w=1.0))
@@ -146,5 +178,27 @@ def test_measured_peak_activations_equal_the_planners_prediction(reports, label)
         stats, rank = report["stats"], report["pp_rank"]
         assert stats.peak_activations == max(held_for_b[rank])
         assert stats.peak_in_flight == max(held_until_w[rank])
-        if name != "1f1b" and max(held_until_w[rank]) > max(held_for_b[rank]):
+        if case.schedule != "1f1b" and max(held_until_w[rank]) > max(held_for_b[rank]):
             assert stats.peak_wgrad_bytes > 0  # W work was actually held back
+
+
+def test_linear_patch_without_a_zero_bubble_schedule_changes_nothing(reports):
+    _assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
+
+
+def test_forward_only_evaluation_gives_megatrons_losses(reports):
+    ours, reference = _merged(reports["pp4/zb-h2/eval"]), _merged(reports["pp4/megatron/eval"])
+    assert ours[0]["losses"] == reference[0]["losses"] and len(reference[0]["losses"]) == 8
+
+
+def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(reports):
+    _assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
+
+
+def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
+    _assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_v_schedules_on_four_ranks_are_bit_identical_to_a_single_stage_run(reports, schedule):
+    _assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])

@@ -6,10 +6,12 @@ Patches (each proven necessary on CPU; see /work/shared/reference/megatron-cpu.m
   `current_stream()` / `Stream` / `stream()` -> do-nothing streams, `device="cuda"` factories -> cpu;
 - the RNG tracker's `_get_cuda_rng_state` / `_set_cuda_rng_state` act on the CPU generator (its `add`
   already goes through the patched `torch.cuda` of tensor_parallel/random.py);
-- `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert.
+- `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert;
+- `LanguageModule.setup_embeddings_and_output_layer` runs with `.cuda()` as identity (tied embeddings
+  across pipeline stages move the output-layer copy with `weight.data.cuda()`).
 
-torch itself is not modified: only names inside megatron modules are rebound, and `uninstall()` puts
-every one of them back.
+torch itself is not modified (except inside that one call, see `cuda_calls_stay_on_cpu`): only names
+inside megatron modules are rebound, and `uninstall()` puts every one of them back.
 """
 from __future__ import annotations
 
@@ -19,25 +21,21 @@ import torch
 
 from . import imports
 from ._patching import Patcher, PatchError, check_megatron_core_version
-from .cpu_backend_torch import CpuTorch
+from .cpu_backend_torch import CpuTorch, cuda_calls_stay_on_cpu
 
 # Modules whose functions on the CPU path use torch.cuda.* or device="cuda"; why, in one line each.
 MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens counters on device="cuda"
     "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, synchronize after batched p2p
-    "megatron.core.transformer.utils",  # default causal mask on middle stages
-    "megatron.core.transformer.module",  # shared embedding all-reduce buffer
-    "megatron.core.tensor_parallel.layers",  # weights created on current_device()
-    "megatron.core.tensor_parallel.mappings",  # TP gather / reduce-scatter buffers
-    "megatron.core.tensor_parallel.random",  # tracker.add seeds the "cuda" generator
-    "megatron.core.models.gpt.gpt_model",  # loss bookkeeping buffers
-    "megatron.core.utils",  # GlobalMemoryBuffer, local l2 norm result
-    "megatron.core.timers",  # synchronize, all-gather buffer
+    "megatron.core.transformer.utils",  # default causal mask, built on middle stages
+    "megatron.core.tensor_parallel.layers",  # weights created on current_device() (no CPU initialisation)
+    "megatron.core.tensor_parallel.random",  # tracker.add seeds and reads the "cuda" generator
+    "megatron.core.utils",  # GlobalMemoryBuffer (p2p shapes), local l2 norm result
+    "megatron.core.timers",  # synchronize and all-gather buffer when the training loop times things
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
-    "megatron.core.distributed.distributed_data_parallel",  # synchronize in buffer (de)allocation
     "megatron.core.optimizer.optimizer",  # found_inf / scale flags on device="cuda"
     "megatron.core.optimizer.clip_grads",  # norm accumulators on device="cuda"
-    "megatron.core.rerun_state_machine",  # validation tensors on device="cuda"
+    "megatron.core.rerun_state_machine",  # result checks on device="cuda", CUDA RNG state save/restore
 )
 
 
@@ -74,6 +72,7 @@ class CoreCpuBackend:
                 self.patcher.replace(module, "torch", cpu_torch)
             self._patch_rng_tracker()
             self._patch_clip_grads()
+            self._patch_tied_embedding_setup()
         except BaseException:
             self.patcher.restore()
             raise
@@ -118,6 +117,17 @@ class CoreCpuBackend:
 
         self.patcher.replace(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
         self.patcher.replace(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+
+    def _patch_tied_embedding_setup(self) -> None:
+        language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
+        module_class = language_module.LanguageModule
+        original = module_class.setup_embeddings_and_output_layer
+
+        def setup_embeddings_and_output_layer(model) -> None:
+            with cuda_calls_stay_on_cpu():
+                original(model)
+
+        self.patcher.replace(module_class, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
 
 
 BACKEND = CoreCpuBackend()

@@ -9,7 +9,8 @@ functions, the CPU backend replaces the module global `torch` of the modules tha
   the CPU generator), and
 - the tensor factories map a CUDA `device=` argument to the CPU.
 
-torch itself is never changed, so the rest of the process (tests, the runtime, user code) is unaffected.
+torch itself is not changed, so the rest of the process (tests, the runtime, user code) is unaffected.
+The one exception is `cuda_calls_stay_on_cpu()`, confined to the duration of a wrapped megatron call.
 """
 from __future__ import annotations
 
@@ -161,3 +162,28 @@ def _factory_on_cpu(factory):
         return factory(*args, **kwargs)
 
     return make
+
+
+@contextlib.contextmanager
+def cuda_calls_stay_on_cpu():
+    """While the block runs, `Tensor.cuda()` and `Module.cuda()` return their object unchanged.
+
+    A few megatron functions call `.cuda()` on a tensor or module, a method no name rebinding reaches.
+    This is the only change to torch itself; it is undone when the block exits (nesting is fine).
+    """
+    owners = (torch.Tensor, torch.nn.Module)
+    saved = [(owner, owner.__dict__.get("cuda")) for owner in owners]  # None: inherited, not own
+    for owner in owners:
+        owner.cuda = _stay_on_cpu
+    try:
+        yield
+    finally:
+        for owner, own in saved:
+            if own is None:
+                del owner.cuda
+            else:
+                owner.cuda = own
+
+
+def _stay_on_cpu(self, device=None, non_blocking=False, **kwargs):
+    return self

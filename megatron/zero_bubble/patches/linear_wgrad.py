@@ -196,7 +196,7 @@ def _compute_and_accumulate(_autocast_state, work: DeferredLinearWeightGrad) -> 
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
         return
-    grad_weight = total_input.t().matmul(grad_output).t()
+    grad_weight = grad_output.t().matmul(total_input)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None:
         main_grad.add_(grad_weight)

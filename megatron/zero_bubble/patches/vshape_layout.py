@@ -145,17 +145,14 @@ def sum_v_tied_embedding_grads(model_chunks) -> bool:
 # ---------------------------------------------------------------- the patch
 
 
-def _module(name: str):
-    return importlib.import_module(name)
-
-
 class VShapePlacement:
     """Owns the Patcher and the installed state (p); the replacements below consult `self.stages`."""
 
     def __init__(self):
         self.patcher = Patcher("vshape_layout")
         self.stages: int | None = None  # p while installed
-        self._originals: dict[str, object] = {}  # megatron's functions, kept for late-bound replacements
+        # megatron's functions replaced everywhere, kept for bindings made while installed (see below)
+        self._originals: dict[str, object] = {}
 
     @property
     def installed(self) -> bool:
@@ -172,13 +169,13 @@ class VShapePlacement:
             raise PatchError(f"the V placement needs a pipeline of at least 2 ranks, got p={stages!r}")
         check_megatron_core_version()
         imports.install()  # megatron.core must import without triton
-        parallel_state = _module("megatron.core.parallel_state")
+        parallel_state = importlib.import_module("megatron.core.parallel_state")
         self._refuse_existing_embedding_group(parallel_state)
-        layer = _module("megatron.core.transformer.transformer_layer")
-        block = _module("megatron.core.transformer.transformer_block")
-        finalize = _module("megatron.core.distributed.finalize_model_grads")
-        module = _module("megatron.core.transformer.module")
-        training = self._training_modules()
+        layer = importlib.import_module("megatron.core.transformer.transformer_layer")
+        block = importlib.import_module("megatron.core.transformer.transformer_block")
+        finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+        float16_module = importlib.import_module("megatron.core.transformer.module").Float16Module
+        loss_holders = self._training_loss_holders()
 
         self.stages = stages
         try:
@@ -186,13 +183,13 @@ class VShapePlacement:
             self._replace_everywhere(block, "get_num_layers_to_build", self.get_num_layers_to_build)
             self._replace_everywhere(parallel_state, "is_pipeline_last_stage", self.is_pipeline_last_stage)
             self._replace_everywhere(parallel_state, "default_embedding_ranks", self.default_embedding_ranks)
-            self._replace(finalize, "get_pp_last_rank", self.get_pp_last_rank)
-            self._replace(finalize, "_allreduce_word_embedding_grads", self.allreduce_word_embedding_grads)
-            self._replace(module.Float16Module, "forward", self._float16_forward(module.Float16Module.forward))
-            for loss_holder in training["loss_holders"]:
-                self._replace(loss_holder, "is_pp_last_stage", self.is_pp_last_stage)
-            if training["get_model"] is not None:
-                self._replace_everywhere(training["get_model"], "get_model", self.get_model)
+            self.patcher.replace(finalize, "get_pp_last_rank", self.get_pp_last_rank)
+            self.patcher.replace(finalize, "_allreduce_word_embedding_grads", self.allreduce_word_embedding_grads)
+            self.patcher.replace(float16_module, "forward", self._float16_forward(float16_module.forward))
+            for module in loss_holders:
+                self.patcher.replace(module, "is_pp_last_stage", self.is_pp_last_stage)
+            if loss_holders:
+                self._replace_everywhere(loss_holders[0], "get_model", self.get_model)
         except BaseException:
             self.uninstall()
             raise
@@ -202,31 +199,26 @@ class VShapePlacement:
         self.stages = None
 
     @staticmethod
-    def _training_modules() -> dict:
-        """megatron.training modules whose `is_pp_last_stage` means "holds the loss" (imported now, so
-        their by-name bindings exist to be patched); empty when megatron.training is not installed."""
+    def _training_loss_holders() -> list:
+        """megatron.training modules whose `is_pp_last_stage` means "holds the loss", training.training
+        (with get_model) first; imported now so that their by-name bindings exist to be patched."""
         if importlib.util.find_spec("megatron.training") is None:
-            return {"loss_holders": [], "get_model": None}
-        training = _module("megatron.training.training")
-        return {"loss_holders": [training, _module("megatron.training.models.gpt")], "get_model": training}
+            return []
+        names = ("megatron.training.training", "megatron.training.models.gpt")
+        return [importlib.import_module(name) for name in names]
 
     @staticmethod
     def _refuse_existing_embedding_group(parallel_state) -> None:
-        import torch
-
-        if not parallel_state.model_parallel_is_initialized():
-            return
-        group = parallel_state.get_embedding_group(check_initialized=False)
-        if group is not None and torch.distributed.get_world_size(group) > 1:
+        # The embedding group is made from default_embedding_ranks when the groups are created; every
+        # rank refuses (a middle rank cannot see the group of the ends), so all ranks agree.
+        if parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_pipeline_model_parallel_world_size() > 1
+        ):
             raise PatchError(
-                "megatron's embedding group spans the first and last pipeline ranks; under ZB-V both ends "
-                "live on rank 0: install the V placement patch before initialize_model_parallel (or pass "
-                "get_embedding_ranks=v_embedding_ranks)"
+                "megatron's pipeline groups already exist; install the V placement patch before "
+                "initialize_model_parallel, whose embedding group must hold only the first pipeline rank "
+                "(both ends of the V live there)"
             )
-
-    def _replace(self, owner, attr: str, new) -> None:
-        self._originals.setdefault(f"{getattr(owner, '__name__', owner)}.{attr}", getattr(owner, attr))
-        self.patcher.replace(owner, attr, new)
 
     def _replace_everywhere(self, source, attr: str, new) -> None:
         """Replace `source.attr` and every megatron module's by-name binding of the same function.
@@ -236,16 +228,13 @@ class VShapePlacement:
         self.patcher.replace(source, attr, new)
         for name, mod in list(sys.modules.items()):
             namespace = getattr(mod, "__dict__", None)
-            if mod is source or namespace is None or not name.startswith("megatron.") or name.startswith(
-                "megatron.zero_bubble"
-            ):
+            if mod is source or namespace is None or not name.startswith("megatron."):
+                continue
+            if name.startswith("megatron.zero_bubble"):
                 continue
             for binding, value in list(namespace.items()):
                 if value is original:
                     self.patcher.replace(mod, binding, new)
-
-    def _original(self, key: str):
-        return self._originals[key]
 
     # -- checks shared by the replacements
 
@@ -288,12 +277,12 @@ class VShapePlacement:
 
     def get_transformer_layer_offset(self, config, vp_stage=None, pp_rank=None):
         if not self._applies_to_config(config):
-            return self._original("get_transformer_layer_offset")(config, vp_stage, pp_rank)
+            return self._originals["get_transformer_layer_offset"](config, vp_stage, pp_rank)
         return self._chunk_layers(config, vp_stage, pp_rank).start
 
     def get_num_layers_to_build(self, config, vp_stage=None, pp_rank=None) -> int:
         if not self._applies_to_config(config):
-            return self._original("get_num_layers_to_build")(config, vp_stage, pp_rank)
+            return self._originals["get_num_layers_to_build"](config, vp_stage, pp_rank)
         # Every virtual stage has L/(2p) layers; chunk 0 stands in when the caller has no vp_stage.
         return len(self._chunk_layers(config, 0 if vp_stage is None else vp_stage, pp_rank))
 
@@ -302,7 +291,7 @@ class VShapePlacement:
 
         size = parallel_state.get_pipeline_model_parallel_world_size()
         if not self.installed or size == 1:
-            return self._original("is_pipeline_last_stage")(ignore_virtual=ignore_virtual, vp_stage=vp_stage)
+            return self._originals["is_pipeline_last_stage"](ignore_virtual=ignore_virtual, vp_stage=vp_stage)
         self._check_pipeline_size(size)
         rank = parallel_state.get_pipeline_model_parallel_rank()
         last_rank, last_chunk = v_last_stage_owner(self.stages)
@@ -341,20 +330,19 @@ class VShapePlacement:
 
     def default_embedding_ranks(self, pp_ranks):
         if not self.installed:
-            return self._original("default_embedding_ranks")(pp_ranks)
+            return self._originals["default_embedding_ranks"](pp_ranks)
         if len(pp_ranks) > 1:
             self._check_pipeline_size(len(pp_ranks))
         return v_embedding_ranks(pp_ranks)
 
     def allreduce_word_embedding_grads(self, model, config, embd_group=None, pp_group=None):
-        self._original("megatron.core.distributed.finalize_model_grads._allreduce_word_embedding_grads")(
-            model, config, embd_group, pp_group
-        )
+        finalize = sys.modules["megatron.core.distributed.finalize_model_grads"]  # the package hides it
+        self.patcher.original(finalize, "_allreduce_word_embedding_grads")(model, config, embd_group, pp_group)
         if self.installed:
             sum_v_tied_embedding_grads(model)
 
     def get_model(self, *args, **kwargs):
-        model = self._original("get_model")(*args, **kwargs)
+        model = self._originals["get_model"](*args, **kwargs)
         if self.installed:
             tie_v_output_weights(model if isinstance(model, list) else [model])
         return model

@@ -13,6 +13,7 @@ changes only its own stage's timeline, so the simulation never has to look ahead
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -25,7 +26,6 @@ from .schedule import Pass, Schedule, ScheduleError
 Step = tuple[str, int]
 
 _TOLERANCE = 1e-9
-OVERHANG_RULES = ("never", "bubble", "always")
 
 
 @dataclass(frozen=True)
@@ -73,100 +73,119 @@ class Problem:
         return self.microbatches * (self.t_f[s] + self.t_b[s] + self.t_w[s])
 
 
-def template(warmup: int, microbatches: int) -> list[Step]:
-    """F/B order of one stage: `warmup` F, then B and F alternating, then the remaining B."""
-    order: list[Step] = [("F", j) for j in range(warmup)]
-    for j in range(microbatches):
-        order.append(("B", j))
-        if warmup + j < microbatches:
-            order.append(("F", warmup + j))
-    return order
+def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
+    """List-schedule F and B in time order with the real costs, placing W as the module docstring says.
 
-
-def greedy(problem: Problem, warmups: Sequence[int], overhang: str) -> Plan:
-    """Simulate the templates with the real costs, placing W as the module docstring says.
-
-    warmups must not increase from one stage to the next (stage s never waits for a B that stage s+1
-    can only run after an F that stage s has not sent), which makes the templates deadlock-free.
+    caps[s] bounds stage s's F passes not yet followed by their B (its warm-up, and what it keeps in
+    flight afterwards). Strict rules alternate B and F after the warm-up, 1F1B-style; eager rules run
+    whichever of B (first) and F is ready. Caps that never increase along the pipeline keep strict
+    rules deadlock-free; eager rules are deadlock-free for any caps of at least 1.
     """
     p, m, tc = problem.stages, problem.microbatches, problem.t_comm
     end_f = [[-1.0] * m for _ in range(p)]
     end_b = [[-1.0] * m for _ in range(p)]
     orders: list[list[Step]] = [[] for _ in range(p)]
-    templates = [template(warmups[s], m) for s in range(p)]
-    pos, free, start, idle, held = [0] * p, [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
-    next_w, done_b = [0] * p, [0] * p
-    progressed = True
-    while progressed:
-        progressed = False
-        for s in range(p):
-            tmpl, order = templates[s], orders[s]
-            tw, mw = problem.t_w[s], problem.m_w[s]
-            eps = _TOLERANCE * (1.0 + tw)
-            while pos[s] < len(tmpl):
-                op, j = tmpl[pos[s]]
-                if op == "F":
-                    ready = 0.0 if s == 0 else end_f[s - 1][j] + tc
-                    if s > 0 and end_f[s - 1][j] < 0:
-                        break
-                    delta, length = problem.m_f[s], problem.t_f[s]
-                else:
-                    ready = end_f[s][j]
-                    if s < p - 1:
-                        if end_b[s + 1][j] < 0:
-                            break
-                        ready = max(ready, end_b[s + 1][j] + tc)
-                    delta, length = mw - problem.m_f[s], problem.t_b[s]
-                t = free[s] if start[s] >= 0 else ready
-                # W passes: first those the memory limit forces, then those that fit in the idle gap.
-                while next_w[s] < done_b[s] and (
-                    not problem.fits(s, held[s] + delta) or t + tw <= ready + eps
-                ):
-                    order.append(("W", next_w[s]))
-                    next_w[s] += 1
-                    t += tw
-                    held[s] -= mw
-                gap = ready - t
-                if next_w[s] < done_b[s] and gap > eps and _overhang(overhang, gap, s, idle):
-                    order.append(("W", next_w[s]))
-                    next_w[s] += 1
-                    t += tw
-                    held[s] -= mw
-                if start[s] < 0:
-                    start[s] = ready
-                elif ready > t:
-                    idle[s] += ready - t
-                t = max(t, ready)
-                order.append((op, j))
-                free[s] = t + length
-                held[s] += delta
-                if op == "F":
-                    end_f[s][j] = free[s]
-                else:
-                    end_b[s][j] = free[s]
-                    done_b[s] += 1
-                pos[s] += 1
-                progressed = True
-    if any(pos[s] < len(templates[s]) for s in range(p)):
-        raise ScheduleError("the warm-up counts of the automatic planner deadlock; they must not increase")
+    free, start, idle, held = [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    # Decision points (time, stage): a stage decides when it gets free or when an input arrives.
+    events = [(0.0, s) for s in range(p)]
+    most_idle = 0.0
+    while events:
+        now, s = heapq.heappop(events)
+        if nb[s] == m or free[s] > now + _TOLERANCE * (1.0 + now):
+            continue
+        j, k = nb[s], nf[s]
+        b_arrival = -1.0  # when B(j) can start on s; -1 while the stage after has not run it
+        if j < k:
+            if s == p - 1:
+                b_arrival = end_f[s][j]
+            elif end_b[s + 1][j] >= 0:
+                b_arrival = max(end_f[s][j], end_b[s + 1][j] + tc)
+        slack = _TOLERANCE * (1.0 + now)
+        b_ready = 0 <= b_arrival <= now + slack
+        f_ready = k < m and k - j < caps[s] and (s == 0 or 0 <= end_f[s - 1][k] and end_f[s - 1][k] + tc <= now + slack)
+        if rule.strict:  # 1F1B order: F while under the cap, else B
+            if k - j < caps[s] and k < m:
+                b_ready = False
+            else:
+                f_ready = False
+        elif f_ready and not b_ready and s > 0 and 0 <= b_arrival < now + rule.wait(j) * problem.t_f[s]:
+            f_ready = False  # B arrives soon and the stages before wait for it: an F now would delay it
+        if b_ready and f_ready and rule.prefer_f:
+            b_ready = False
+        if b_ready:
+            op, mb, delta, length = "B", j, problem.m_w[s] - problem.m_f[s], problem.t_b[s]
+        elif f_ready:
+            op, mb, delta, length = "F", k, problem.m_f[s], problem.t_f[s]
+        else:
+            continue  # wait: the next arrival is another decision point
+        t = free[s] if start[s] >= 0 else now
+        tw, mw = problem.t_w[s], problem.m_w[s]
+        # W passes: those the memory limit forces, those that fit in the idle gap, then maybe one more.
+        while nw[s] < j and (not problem.fits(s, held[s] + delta) or t + tw <= now + slack):
+            orders[s].append(("W", nw[s]))
+            nw[s], t, held[s] = nw[s] + 1, t + tw, held[s] - mw
+        gap = now - t
+        if nw[s] < j and gap > slack and rule.overhang(gap, tw, idle[s], most_idle):
+            orders[s].append(("W", nw[s]))
+            nw[s], t, held[s] = nw[s] + 1, t + tw, held[s] - mw
+        if start[s] < 0:
+            start[s] = now
+        elif now > t:
+            idle[s] += now - t
+            most_idle = max(most_idle, idle[s])
+        t = max(t, now)
+        orders[s].append((op, mb))
+        free[s] = t + length
+        held[s] += delta
+        if op == "F":
+            end_f[s][mb] = free[s]
+            nf[s] += 1
+            if s + 1 < p:
+                heapq.heappush(events, (free[s] + tc, s + 1))
+        else:
+            end_b[s][mb] = free[s]
+            nb[s] += 1
+            if s > 0:
+                heapq.heappush(events, (free[s] + tc, s - 1))
+        heapq.heappush(events, (free[s], s))
+    if any(nb[s] < m for s in range(p)):
+        raise ScheduleError("the automatic planner's caps deadlock; strict rules need caps that never increase")
     spans = []
     for s in range(p):
-        while next_w[s] < m:
-            orders[s].append(("W", next_w[s]))
-            next_w[s] += 1
-            free[s] += problem.t_w[s]
-        spans.append(free[s] - start[s])
-    label = f"warm-up {list(warmups)}, overhang {overhang}"
-    return Plan(orders, max(spans), label)
+        orders[s] += [("W", i) for i in range(nw[s], m)]
+        spans.append(free[s] + (m - nw[s]) * problem.t_w[s] - start[s])
+    return Plan(orders, max(spans), f"caps {list(caps)}, {rule}")
 
 
-def _overhang(rule: str, gap: float, s: int, idle: list[float]) -> bool:
-    """Whether a W goes into a gap shorter than T_W (delaying the next pass by T_W - gap)."""
-    if rule == "always":
-        return True
-    if rule == "bubble":
-        return idle[s] + gap > max(idle)
-    return False
+@dataclass(frozen=True)
+class Rule:
+    """Knobs of one greedy variant.
+
+    strict: B and F alternate after the warm-up (else B first, F whenever ready and under the cap).
+    fill: a W goes into an idle gap of at least fill * T_W (1.0: only gaps it fits in; the W then
+      delays the next pass by T_W - gap).
+    bubble: also insert a W when leaving the gap idle would make this stage the most idle one so far.
+    patience: do not start an F when the next B arrives within patience * T_F.
+    """
+
+    strict: bool = False
+    fill: float = 1.0
+    bubble: bool = True
+    patience: float = 0.0
+    warmup_patience: float = 0.0
+    prefer_f: bool = False
+
+    def wait(self, b_done: int) -> float:
+        return self.warmup_patience if b_done == 0 else self.patience
+
+    def overhang(self, gap: float, t_w: float, idle: float, most_idle: float) -> bool:
+        return gap >= self.fill * t_w or (self.bubble and idle + gap > most_idle)
+
+    def __str__(self) -> str:
+        order = "strict 1F1B order" if self.strict else "eager B/F"
+        bubble = " + bubble rule" if self.bubble else ""
+        return f"{order}, W fill {self.fill:g}{bubble}, patience {self.patience:g} (warm-up {self.warmup_patience:g})"
 
 
 def ideal_warmups(problem: Problem) -> list[float]:
@@ -179,36 +198,47 @@ def ideal_warmups(problem: Problem) -> list[float]:
     return out
 
 
-def warmup_variants(problem: Problem) -> list[tuple[int, ...]]:
-    """Candidate warm-up vectors, each capped by memory and m and made non-increasing over stages."""
+def warmup_variants(problem: Problem) -> dict[str, tuple[int, ...]]:
+    """Candidate caps by name, each within memory and m and made non-increasing over stages."""
     p = problem.stages
     caps = [problem.warmup_cap(s) for s in range(p)]
     ideal = ideal_warmups(problem)
-    shapes = []
-    for shift in (-2, -1, 0, 1, 2):
-        shapes.append([math.ceil(k - 1e-9) + shift for k in ideal])
-    for base in (caps[0], caps[0] - 1, caps[0] - 2):
-        shapes.append([base - s for s in range(p)])  # 1F1B-like: one F fewer per stage
-    shapes.append(list(caps))
-    variants = []
-    for shape in shapes:
+    shapes = {f"ideal{shift:+d}": [math.ceil(k - 1e-9) + shift for k in ideal] for shift in (-1, 0, 1)}
+    for threshold in (0.1, 0.25, 0.5, 1.0):  # round the ideal down when its fraction is below threshold
+        shapes[f"ideal-round{threshold:g}"] = [math.floor(k) if k - math.floor(k) < threshold else math.ceil(k)
+                                               for k in ideal]
+    for less in (0, 1, 2):
+        shapes[f"1f1b-{less}"] = [caps[0] - less - s for s in range(p)]  # one F fewer per stage
+    shapes["memory"] = list(caps)
+    variants = {}
+    for name, shape in shapes.items():
         warmups, previous = [], problem.microbatches
         for s in range(p):
-            w = max(1, min(shape[s], caps[s], previous))
-            warmups.append(w)
-            previous = w
-        if tuple(warmups) not in variants:
-            variants.append(tuple(warmups))
+            warmups.append(max(1, min(shape[s], caps[s], previous)))
+            previous = warmups[-1]
+        variants[name] = tuple(warmups)
     return variants
 
 
-def best_heuristic(problem: Problem) -> Plan:
-    """The shortest-span plan over the warm-up variants and W overhang rules."""
-    best = None
-    for warmups in warmup_variants(problem):
-        for rule in OVERHANG_RULES:
-            plan = greedy(problem, warmups, rule)
-            if best is None or plan.span < best.span - 1e-12:
+RULES = tuple(
+    Rule(strict, fill, bubble, patience)
+    for strict in (False, True)
+    for fill in (1.0, 0.5, 0.0)
+    for bubble in (True, False)
+    for patience in ((0.0,) if strict else (0.0, 0.1, 0.25, 0.5, 1.0))
+)
+
+
+def best_heuristic(problem: Problem, rules: Sequence[Rule] = RULES) -> Plan:
+    """The shortest-span plan over the cap variants and greedy rules."""
+    best, tried = None, set()
+    for caps in warmup_variants(problem).values():
+        for rule in rules:
+            if (caps, rule) in tried:
+                continue
+            tried.add((caps, rule))
+            plan = greedy(problem, caps, rule)
+            if best is None or plan.span < best.span * (1 - 1e-12):
                 best = plan
     return best
 

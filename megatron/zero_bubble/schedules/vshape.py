@@ -42,13 +42,15 @@ class Policy:
     w_fill: str = "always"
     wait: float = 0.0
     f0_cap_offset: int | None = None
+    warmup_extra: int | None = None
+    w_backlog: int | None = None
 
 
 def _policies(stages: int) -> list[Policy]:
     orders = (("B", "F1", "F0"), ("F1", "B", "F0"), ("F1", "F0", "B"))
     return [
         Policy(*choice)
-        for choice in itertools.product(orders, ("older", "chunk0", "chunk1"), ("always", "fits"), (0.0, 0.5, 1.0), (None, 0, 1, -1))
+        for choice in itertools.product(orders, ("older", "chunk1"), ("always", "fits", "slack"), (0.0, 0.5), (None, 0), (None, 0), (None, 0, 1, 2))
     ]
 
 
@@ -73,6 +75,19 @@ class _Greedy:
         self.ranks = [_Rank(r, stages, limits[r]) for r in range(stages)]
         self.ended: dict[tuple[str, int, int], float] = {}  # (op, mb, vstage) -> end time
         self.nv = 2 * stages
+        self.warmup = None if policy.warmup_extra is None else self._warmup_counts(policy.warmup_extra)
+
+    def _warmup_counts(self, extra: int) -> list[int]:
+        """Chunk-0 forwards each rank fits before microbatch 0 comes back to its chunk 1, on an empty pipeline."""
+        costs, start = self.costs, [0.0]
+        for v in range(self.nv - 1):
+            hop = costs.t_comm if self._owner(v) != self._owner(v + 1) else 0.0
+            start.append(start[-1] + costs.t_f[v] + hop)
+        counts = []
+        for r in range(self.p):
+            gap = start[self.nv - 1 - r] - start[r]
+            counts.append(max(1, int(gap / max(costs.t_f[r], _EPS) + _EPS)) + extra)
+        return counts
 
     def _owner(self, vstage: int) -> int:
         return vstage if vstage < self.p else self.nv - 1 - vstage
@@ -106,6 +121,8 @@ class _Greedy:
         # A chunk-0 F must leave room for a chunk-1 F, or the oldest microbatch could never turn back.
         if rk.memory + costs.m_f[v0] + costs.m_f[v1] > rk.limit + _EPS:
             return False
+        if self.warmup is not None and rk.next["F", 1] == 0 and rk.next["F", 0] >= self.warmup[rk.rank]:
+            return False  # keep the rank free for the first microbatch on its way back up
         cap = self.policy.f0_cap_offset
         if cap is None:
             return True
@@ -125,6 +142,11 @@ class _Greedy:
             ranked.append(c)
         ranked.sort(key=self._priority)
         now = [c for c in ranked if c[3] <= t + _EPS]
+        w_chunks = [c for c in (0, 1) if rk.next["W", c] < rk.next["B", c]]
+        backlog = sum(rk.next["B", c] - rk.next["W", c] for c in (0, 1))
+        if w_chunks and self.policy.w_backlog is not None and backlog > self.policy.w_backlog:
+            c = min(w_chunks, key=lambda c: rk.next["W", c])
+            return ("W", c, rk.next["W", c]), None
         if now:
             pick = now[0]
             # Hold back for a more urgent pass that arrives before the ready one would end.
@@ -139,7 +161,11 @@ class _Greedy:
         if w_chunks:
             c = min(w_chunks, key=lambda c: rk.next["W", c])
             t_w = self.costs.t_w[rk.vstages[c]]
-            upcoming = min(later, default=None)
+            blocking = later
+            if self.policy.w_fill == "slack":
+                # B of virtual stage 0 only unlocks its own W: a W may run over its arrival.
+                blocking = [c[3] for c in cands if c[3] > t + _EPS and not (c[0] == "B" and rk.vstages[c[1]] == 0)]
+            upcoming = min(blocking, default=None)
             if (
                 self.policy.w_fill == "always"
                 or blocked_f

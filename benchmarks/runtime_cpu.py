@@ -1,0 +1,133 @@
+"""Runtime benchmark on CPU: megatron's 1F1B vs the zero-bubble schedules through our executor (PP=2, gloo).
+
+Prints, in one run: the median iteration time of each schedule and its ratio to megatron's 1F1B, next
+to the simulator's prediction from the pass times profiled in the same run; and T_B + T_W of the split
+backward against the fused backward T_BW.
+    python benchmarks/runtime_cpu.py [--iterations 6] [--hidden 512] [--microbatches 8]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.megatron import harness  # noqa: E402  (spawn and the deterministic tiny GPT)
+
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+
+
+def _plan(name: str, stages: int, microbatches: int):
+    """The schedule that runs (planned for uniform costs; deterministic, so main() rebuilds the same one)."""
+    from megatron.zero_bubble.schedules.planners import PlanRequest, plan
+
+    return plan(name, PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0))
+
+
+def _time_iterations(chunks, spec, m, iterations):
+    import torch
+
+    times = []
+    for it in range(iterations + 1):  # the first one warms up
+        for p in (p for c in chunks for p in c.parameters()):
+            p.grad = None
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        harness.run_forward_backward(chunks, spec, m, it * m)
+        torch.distributed.barrier()
+        if it:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _comm_time(shape) -> float:
+    """One-way time of a pipeline tensor between the two ranks (half a round trip)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(shape)
+    rounds, rank = 20, dist.get_rank()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    return (time.perf_counter() - start) / (2 * rounds)
+
+
+def scenario(spec, m: int, iterations: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron.zero_bubble.patches import linear_wgrad, schedule_selection
+    from megatron.zero_bubble.runtime.executor import PipelineExecutor
+
+    harness.init_parallel_state(pp=2)
+    chunks = harness.build_gpt_chunks(spec)
+    result = {"rank": parallel_state.get_pipeline_model_parallel_rank(), "times": {}, "passes": {}}
+    result["times"]["megatron 1f1b"] = _time_iterations(chunks, spec, m, iterations)
+    linear_wgrad.install()
+    for name in SCHEDULES:
+        passes = defaultdict(list)
+        schedule = _plan(name, 2, m)
+        executor = PipelineExecutor(lambda _: schedule)
+        schedule_selection.install(executor)
+        result["times"][name] = _time_iterations(chunks, spec, m, iterations)
+        executor.pass_timer = lambda op, chunk, mb, s: passes[op].append(s)  # profiling run, synchronised
+        _time_iterations(chunks, spec, m, 1)
+        result["passes"][name] = {op: statistics.median(v) for op, v in passes.items()}
+        schedule_selection.uninstall()
+    linear_wgrad.uninstall()
+    result["t_comm"] = _comm_time((spec.seq_length, spec.micro_batch_size, spec.hidden_size))
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=256)
+    args = parser.parse_args(argv)
+    spec = harness.ModelSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
+                             seq_length=args.seq_length, vocab_size=1024, micro_batch_size=2)
+    m = args.microbatches
+    print(f"PP=2 on CPU (gloo, 1 thread per rank): {spec}, m={m}, {args.iterations} timed iterations each")
+    ranks = sorted(harness.spawn(scenario, 2, spec, m, args.iterations, timeout=1800), key=lambda r: r["rank"])
+
+    from megatron.zero_bubble.schedules import Costs, simulate
+
+    def costs_from(name):
+        per_rank = [r["passes"][name] for r in ranks]
+        return Costs.make(2, t_f=[p["F"] for p in per_rank], t_b=[p["B"] for p in per_rank],
+                          t_w=[p["W"] for p in per_rank], t_comm=ranks[0]["t_comm"])
+
+    zb_costs = costs_from("zb-h1")
+    reference = statistics.median(ranks[0]["times"]["megatron 1f1b"])
+    predicted_1f1b = simulate(_plan("1f1b", 2, m), zb_costs).makespan
+    print(f"\nprofiled (zb-h1 run, median s): " + ", ".join(
+        f"rank {r['rank']}: T_F {r['passes']['zb-h1']['F']:.4f} T_B {r['passes']['zb-h1']['B']:.4f} "
+        f"T_W {r['passes']['zb-h1']['W']:.4f}" for r in ranks) + f", T_comm {ranks[0]['t_comm']:.5f}")
+    print(f"\n{'schedule':<16}{'median s':>10}{'vs megatron':>13}{'predicted':>11}")
+    print(f"{'megatron 1f1b':<16}{reference:>10.4f}{1.0:>13.3f}{1.0:>11.3f}")
+    for name in SCHEDULES:
+        measured = statistics.median(ranks[0]["times"][name])
+        predicted = simulate(_plan(name, 2, m), zb_costs).makespan / predicted_1f1b
+        print(f"{name:<16}{measured:>10.4f}{measured / reference:>13.3f}{predicted:>11.3f}")
+    print("\nsplit backward vs fused (median per pass, s):")
+    for r in ranks:
+        fused = r["passes"]["1f1b"]["BW"]
+        split = r["passes"]["zb-h1"]["B"] + r["passes"]["zb-h1"]["W"]
+        print(f"  rank {r['rank']}: T_B + T_W = {split:.4f}  T_BW = {fused:.4f}  overhead {100 * (split / fused - 1):+.1f}%"
+              f"  (goal <= +5%)")
+
+
+if __name__ == "__main__":
+    main()

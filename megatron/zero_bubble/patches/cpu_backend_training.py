@@ -1,0 +1,124 @@
+"""CPU backend, training-loop part: Megatron's own `pretrain()` (megatron.training) on CPU with gloo.
+
+Installs the core part first (cpu_backend_core.py), then:
+- `initialize.py` sees a `torch` whose `torch.cuda` reports one device: `initialize_megatron` asserts
+  CUDA unless `allow_no_cuda=True` (which `pretrain()` never passes), and with zero devices
+  `_initialize_distributed` silently skips `initialize_model_parallel` and the model-parallel seed;
+- `_compile_dependencies` is skipped: it runs `make` on a source tree the wheel does not ship (the
+  compiled dataset helpers are installed already);
+- `set_jit_fusion_options` is skipped: it warms the fused kernels up on CUDA tensors;
+- the modules in `TRAINING_MODULES_SEEING_CPU_AS_CUDA` see the CPU as the device (device='cuda'
+  literals, `torch.cuda.Stream` / `torch.cuda.stream` around DDP construction, CUDA RNG state);
+- `get_model` and the model builder's chunk preparation run with `.cuda()` as identity (they move the
+  model with `model_module.cuda(...)`);
+- `get_device_arch_version` (asked when TP > 1) answers 0: no GPU architecture, so the
+  pre-Blackwell rules apply (export CUDA_DEVICE_MAX_CONNECTIONS=1 for TP > 1).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from . import cpu_backend_core
+from ._patching import Patcher, PatchError, check_megatron_core_version
+from .cpu_backend_torch import CpuTorch, cuda_calls_stay_on_cpu
+
+TRAINING_MODULES_SEEING_CPU_AS_CUDA = (
+    "megatron.training.training",  # device='cuda' literals, streams around DDP, memory reports
+    "megatron.training.models.dist_utils",  # streams around DDP in the model-builder path
+    "megatron.training.checkpointing",  # CUDA RNG state saved / restored, iteration all-reduce
+    "megatron.training.utils.common_utils",  # loss and norm reductions on device='cuda'
+    # torch_dist checkpoint save / load (fully parallel *load* with .cuda() calls is not covered):
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize before writing
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",  # synchronize around the exchange
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # verification flags on 'cuda'
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # liveness flags, synchronize
+)
+NO_GPU_ARCH_VERSION = 0
+
+
+class TrainingCpuBackend:
+    """Owns the Patcher of the training-loop part; `install()` is idempotent."""
+
+    def __init__(self):
+        self.patcher = Patcher("cpu_backend_training")
+
+    @property
+    def installed(self) -> bool:
+        return self.patcher.installed
+
+    def install(self, force: bool = False) -> None:
+        if self.installed:
+            return
+        cpu_backend_core.install(force=force)
+        check_megatron_core_version()
+        try:
+            self._see_cpu_as_cuda()
+            self._skip_cuda_only_setup()
+            self._keep_models_on_cpu()
+            arguments = importlib.import_module("megatron.training.arguments")
+            self.patcher.replace(arguments, "get_device_arch_version", lambda: NO_GPU_ARCH_VERSION)
+        except BaseException:
+            self.patcher.restore()
+            raise
+
+    def uninstall(self) -> None:
+        self.patcher.restore()
+
+    def _see_cpu_as_cuda(self) -> None:
+        cpu_torch = CpuTorch()
+        for name in TRAINING_MODULES_SEEING_CPU_AS_CUDA:
+            self._replace_torch(importlib.import_module(name), cpu_torch)
+        # Only initialisation is told that there is a device; elsewhere is_available() stays False.
+        self._replace_torch(importlib.import_module("megatron.training.initialize"), CpuTorch(report_device=True))
+
+    def _replace_torch(self, module, cpu_torch: CpuTorch) -> None:
+        if module.__dict__.get("torch") is not torch:
+            raise PatchError(f"patch 'cpu_backend_training': {module.__name__}.torch is not the torch module")
+        self.patcher.replace(module, "torch", cpu_torch)
+
+    def _skip_cuda_only_setup(self) -> None:
+        initialize = importlib.import_module("megatron.training.initialize")
+        training = importlib.import_module("megatron.training.training")
+
+        def skipped(*args, **kwargs) -> None:
+            return None
+
+        self.patcher.replace(initialize, "_compile_dependencies", skipped)
+        # pretrain() calls the name bound in training.py; initialize.py keeps its own for other callers.
+        self.patcher.replace(initialize, "set_jit_fusion_options", skipped)
+        self.patcher.replace(training, "set_jit_fusion_options", skipped)
+
+    def _keep_models_on_cpu(self) -> None:
+        training = importlib.import_module("megatron.training.training")
+        dist_utils = importlib.import_module("megatron.training.models.dist_utils")
+        for module, name in ((training, "get_model"), (dist_utils, "prepare_existing_model_chunks_for_distributed_training")):
+            self.patcher.replace(module, name, _with_cuda_calls_on_cpu(getattr(module, name)))
+
+
+def _with_cuda_calls_on_cpu(function):
+    @functools.wraps(function)
+    def run_on_cpu(*args, **kwargs):
+        with cuda_calls_stay_on_cpu():
+            return function(*args, **kwargs)
+
+    return run_on_cpu
+
+
+BACKEND = TrainingCpuBackend()
+
+
+def install(force: bool = False) -> None:
+    """Apply the core and the training-loop CPU patches (idempotent; imports megatron.training)."""
+    BACKEND.install(force=force)
+
+
+def uninstall() -> None:
+    """Restore what the training-loop part replaced (the core part has its own `uninstall()`)."""
+    BACKEND.uninstall()
+
+
+def installed() -> bool:
+    return BACKEND.installed
