@@ -73,16 +73,18 @@ def scenario(spec, m: int, iterations: int) -> dict:
     result = {"rank": parallel_state.get_pipeline_model_parallel_rank(), "times": {}, "passes": {}}
     result["times"]["megatron 1f1b"] = _time_iterations(chunks, spec, m, iterations)
     linear_wgrad.install()
+    executor = PipelineExecutor(lambda _: None)
+    schedule_selection.install(executor)
     for name in SCHEDULES:
         passes = defaultdict(list)
         schedule = _plan(name, 2, m)
-        executor = PipelineExecutor(lambda _: schedule)
-        schedule_selection.install(executor)
+        executor.plan_for, executor.pass_timer = (lambda _: schedule), None
         result["times"][name] = _time_iterations(chunks, spec, m, iterations)
         executor.pass_timer = lambda op, chunk, mb, s: passes[op].append(s)  # profiling run, synchronised
         _time_iterations(chunks, spec, m, 1)
         result["passes"][name] = {op: statistics.median(v) for op, v in passes.items()}
-        schedule_selection.uninstall()
+    schedule_selection.uninstall()
+    executor.release()
     linear_wgrad.uninstall()
     result["t_comm"] = _comm_time((spec.seq_length, spec.micro_batch_size, spec.hidden_size))
     return result

@@ -1,7 +1,9 @@
 """Multi-process CPU test harness for megatron-core (gloo), shared by the runtime tests.
 
-Parent side (no megatron import):
-    spawn(scenario, world_size, *args, timeout=..., **kwargs) -> [result of rank 0, result of rank 1, ...]
+Parent side (no megatron import unless asked for):
+    spawn(scenario, world_size, *args, timeout=..., start_method="spawn", **kwargs) -> [result of each rank]
+    preload_megatron(training=False)   import megatron once here, then spawn(..., start_method="fork")
+                                       saves every rank the multi-second import
     merge_by_dp_rank(results) -> {dp_rank: {"losses": {mb: float}, "grads": {name: tensor}, ...}}
 Rank side (inside a scenario; the CPU backend is installed by `spawn` before the scenario starts):
     init_parallel_state(tp, pp, vpp, seed)           megatron parallel state (re-initialisable)
@@ -24,7 +26,6 @@ import re
 import socket
 import tempfile
 import time
-import traceback
 import zlib
 from typing import Callable
 
@@ -72,6 +73,8 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
     `scenario` must be a module-level function (it is pickled by name). Returns the per-rank return
     values, in rank order, sent back with torch.save (tensors included). A rank that raises makes this
     raise with its traceback; ranks still running after `timeout` seconds are killed (TimeoutError).
+    `start_method="fork"` reuses this process's imports (see `preload_megatron`); every rank sets one
+    intra-op thread first, as PyTorch's forked DataLoader workers do.
     """
     with tempfile.TemporaryDirectory(prefix="zb_harness_") as result_dir:
         context = torch.multiprocessing.start_processes(
@@ -94,6 +97,20 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
                 for rank in range(world_size)]
 
 
+def preload_megatron(training: bool = False) -> None:
+    """Import megatron-core (and megatron.training) in this process, so that forked ranks inherit it."""
+    import importlib
+
+    from megatron.zero_bubble.patches import imports
+
+    imports.install()
+    for name in ("megatron.core.pipeline_parallel", "megatron.core.models.gpt",
+                 "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer"):
+        importlib.import_module(name)
+    if training:
+        importlib.import_module("megatron.training.training")
+
+
 def _rank_main(rank, world_size, port, result_dir, cpu_backend, scenario, args, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), CUDA_DEVICE_MAX_CONNECTIONS="1")
@@ -103,12 +120,9 @@ def _rank_main(rank, world_size, port, result_dir, cpu_backend, scenario, args, 
 
         backend.install()
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
+    try:  # an exception reaches the parent with its traceback through torch.multiprocessing
         result = scenario(*args, **kwargs)
         torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
     finally:
         _destroy_parallel_state()
         torch.distributed.destroy_process_group()
@@ -141,9 +155,10 @@ def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
 
 
 def _destroy_parallel_state() -> None:
-    from megatron.core import parallel_state
+    import sys
 
-    if parallel_state.model_parallel_is_initialized():
+    parallel_state = sys.modules.get("megatron.core.parallel_state")  # never import megatron just for this
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
 
 
@@ -217,7 +232,7 @@ def init_weights_by_global_name(chunks: list, seed: int = 0) -> None:
                 if dim is not None:
                     full_shape[dim] *= tp_size
                 full = torch.randn(full_shape, generator=generator, dtype=torch.float32)
-                full = 1.0 + 0.1 * full if name.endswith("layer_norm.weight") or "norm.weight" in name else 0.05 * full
+                full = 1.0 + 0.1 * full if name.endswith("norm.weight") else 0.05 * full  # norm scales near 1
                 local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
                 param.copy_(local)
 

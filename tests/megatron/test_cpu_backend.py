@@ -1,10 +1,12 @@
 """The CPU backend runs megatron-core's own schedules exactly, and uninstalls without a trace.
 
-One spawned group of 4 ranks runs every core layout in turn (process start and the megatron import cost
-seconds per rank); a second group of 2 ranks runs Megatron's `pretrain()` with the training-loop patches.
+One group of 4 ranks runs every core layout in turn, a second group of 2 ranks Megatron's `pretrain()`
+with the training-loop patches. The ranks are forked from this process after it imported megatron once:
+the import costs seconds of CPU per rank on a shared machine.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -18,6 +20,7 @@ SPEC = ModelSpec(num_layers=8)  # 8 layers so that PP=4 x VPP=2 holds one layer 
 TIED = ModelSpec(num_layers=4, tie_embeddings=True)
 MICROBATCHES = 8
 WORLD = 4
+needs_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend refuses CUDA machines")
 
 
 def run_core_layouts() -> dict[str, dict]:
@@ -39,7 +42,10 @@ def run_core_layouts() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def layouts() -> dict[str, dict[int, dict]]:
-    per_rank = harness.spawn(run_core_layouts, WORLD, timeout=240)
+    if torch.cuda.is_available():
+        pytest.skip("the CPU backend refuses CUDA machines")
+    harness.preload_megatron()
+    per_rank = harness.spawn(run_core_layouts, WORLD, timeout=240, start_method="fork")
     return {name: harness.merge_by_dp_rank([ranks[name] for ranks in per_rank]) for name in per_rank[0]}
 
 
@@ -131,17 +137,18 @@ def test_uninstall_restores_every_patched_attribute_and_leaves_torch_alone():
     from megatron.zero_bubble.patches import cpu_backend, cpu_backend_core, cpu_backend_training, imports
 
     imports.install()
-    cpu_backend.install(training=True)  # a first round imports everything the patches touch
+    cpu_backend.install(training=True, force=True)  # a first round imports everything the patches touch
     cpu_backend.uninstall()
     original = _attribute_snapshot()
 
-    cpu_backend.install(training=True)
-    cpu_backend.install(training=True)  # idempotent: nothing is wrapped twice
+    cpu_backend.install(training=True, force=True)
+    cpu_backend.install(training=True, force=True)  # idempotent: nothing is wrapped twice
     patched = _changed(original, _attribute_snapshot())
     cpu_backend.uninstall()
     assert not cpu_backend.installed()
 
     assert not _changed(original, _attribute_snapshot())
+    assert not logging.getLogger(cpu_backend_core.RNG_TRACKER_LOGGER).filters
     assert not {name for name in patched if name.split(".")[0] in ("torch", "Tensor", "Module", "typing")}
     expected_torch_names = {f"{module}.torch" for module in cpu_backend_core.MODULES_SEEING_CPU_AS_CUDA
                             + cpu_backend_training.TRAINING_MODULES_SEEING_CPU_AS_CUDA
@@ -262,10 +269,34 @@ def run_pretrain() -> list[float]:
     return losses
 
 
+@needs_cpu_only_machine
 def test_megatron_pretrain_trains_with_tied_embeddings_across_two_stages():
-    first_stage, last_stage = harness.spawn(run_pretrain, 2, timeout=240)
+    harness.preload_megatron(training=True)
+    first_stage, last_stage = harness.spawn(run_pretrain, 2, timeout=240, start_method="fork")
     assert first_stage == []
     assert len(last_stage) == 3 * 4  # 3 iterations x (global batch 8 / micro-batch 2)
     per_iteration = [sum(last_stage[i:i + 4]) / 4 for i in range(0, 12, 4)]
     assert all(torch.isfinite(torch.tensor(per_iteration)))
     assert per_iteration[2] < per_iteration[0]  # the optimizer steps work: the loss goes down
+
+
+def test_gradient_clipping_scales_cpu_gradients_that_megatron_would_reject():
+    from megatron.zero_bubble.patches import cpu_backend, imports
+
+    imports.install()
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+    for param, grad in zip(params, (torch.tensor([3.0, 0.0, 4.0]), torch.tensor([1.0, -2.0]))):
+        param.grad = grad.clone()
+    with pytest.raises(AssertionError):  # megatron's own: grads must be torch.cuda.FloatTensor
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)
+    cpu_backend.install(force=True)
+    try:
+        assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=5.0)
+    finally:
+        cpu_backend.uninstall()
+    coefficient = 1.0 / (5.0 + 1.0e-6)
+    assert torch.equal(params[0].grad, torch.tensor([3.0, 0.0, 4.0]) * coefficient)
+    assert torch.equal(params[1].grad, torch.tensor([1.0, -2.0]) * coefficient)

@@ -10,6 +10,8 @@ import shims in imports.py; `uninstall()` restores every replaced attribute. On 
 """
 from __future__ import annotations
 
+import sys
+
 from . import cpu_backend_core
 from .cpu_backend_core import cuda_available
 
@@ -27,8 +29,6 @@ def install(training: bool = False, force: bool = False) -> None:
 
 def uninstall() -> None:
     """Undo everything `install()` applied (the training-loop part first, then the core part)."""
-    import sys
-
     training = sys.modules.get(f"{__package__}.cpu_backend_training")
     if training is not None:
         training.uninstall()

@@ -1,6 +1,6 @@
 """CPU backend, core part: megatron-core's schedules, GPTModel, DDP and optimizer on CPU with gloo.
 
-Patches (each proven necessary on CPU; see /work/shared/reference/megatron-cpu.md):
+Patches (each needed on some CPU code path; see /work/shared/reference/megatron-cpu.md):
 - the module global `torch` of the modules listed in `MODULES_SEEING_CPU_AS_CUDA` becomes a `CpuTorch`
   (cpu_backend_torch.py): `torch.cuda.current_device()` -> cpu, `synchronize()` -> no-op,
   `current_stream()` / `Stream` / `stream()` -> do-nothing streams, `device="cuda"` factories -> cpu;
@@ -8,20 +8,27 @@ Patches (each proven necessary on CPU; see /work/shared/reference/megatron-cpu.m
   already goes through the patched `torch.cuda` of tensor_parallel/random.py);
 - `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert;
 - `LanguageModule.setup_embeddings_and_output_layer` runs with `.cuda()` as identity (tied embeddings
-  across pipeline stages move the output-layer copy with `weight.data.cuda()`).
+  across pipeline stages move the output-layer copy with `weight.data.cuda()`);
+- the tracker's warning "CPU RNG state changed within GPU RNG context" is filtered out of its logger:
+  here the device generator *is* the CPU one, so every forked draw (weight init, dropout) would warn.
 
 torch itself is not modified (except inside that one call, see `cuda_calls_stay_on_cpu`): only names
 inside megatron modules are rebound, and `uninstall()` puts every one of them back.
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 
 import torch
 
 from . import imports
 from ._patching import Patcher, PatchError, check_megatron_core_version
 from .cpu_backend_torch import CpuTorch, cuda_calls_stay_on_cpu
+
+RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
+RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 
 # Modules whose functions on the CPU path use torch.cuda.* or device="cuda"; why, in one line each.
 MODULES_SEEING_CPU_AS_CUDA = (
@@ -49,6 +56,7 @@ class CoreCpuBackend:
 
     def __init__(self):
         self.patcher = Patcher("cpu_backend_core")
+        self.rng_warning_filter = lambda record: record.getMessage() != RNG_FORK_WARNING
 
     @property
     def installed(self) -> bool:
@@ -76,8 +84,10 @@ class CoreCpuBackend:
         except BaseException:
             self.patcher.restore()
             raise
+        logging.getLogger(RNG_TRACKER_LOGGER).addFilter(self.rng_warning_filter)
 
     def uninstall(self) -> None:
+        logging.getLogger(RNG_TRACKER_LOGGER).removeFilter(self.rng_warning_filter)
         self.patcher.restore()
 
     def _patch_rng_tracker(self) -> None:
@@ -102,6 +112,7 @@ class CoreCpuBackend:
         optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
         original = clip_grads.clip_grad_by_total_norm_fp32
 
+        @functools.wraps(original)
         def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad: bool = False):
             if use_decoupled_grad:
                 return original(parameters, max_norm, total_norm, use_decoupled_grad=True)

@@ -71,13 +71,18 @@ class PipelineExecutor:
     # -- set-up checks and caches --------------------------------------------------------------------
     def _stores_for(self, chunks: list[torch.nn.Module]) -> list[WeightGradStore]:
         if self._attached_to != [id(c) for c in chunks]:
-            for store in self.stores:
-                store.detach()
+            self.release()
             self.stores = [WeightGradStore(name=f"chunk {k}") for k in range(len(chunks))]
             for store, chunk in zip(self.stores, chunks):
                 store.attach(chunk)
             self._attached_to = [id(c) for c in chunks]
         return self.stores
+
+    def release(self) -> None:
+        """Detach the weight-gradient stores from the model (e.g. before another executor takes it over)."""
+        for store in self.stores:
+            store.detach()
+        self.stores, self._attached_to = [], []
 
     def _program(self, schedule: Schedule, rank: int, forward_only: bool) -> tuple[Schedule, list]:
         key = (id(schedule), forward_only)
@@ -140,6 +145,14 @@ class PipelineExecutor:
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         schedule = self.plan_for(num_microbatches)
         self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)
+        if schedule.uses_split_backward() and any(
+            getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks
+        ):
+            # DDP's per-parameter hooks would launch reductions before the deferred W has accumulated.
+            raise ValueError(
+                "--overlap-grad-reduce is not supported with zero-bubble schedules yet; drop the flag "
+                "(gradients are then reduced once after the last W)"
+            )
         rank = pp_group.rank()
         run, program = self._program(schedule, rank, forward_only)
         shape = mcore.get_tensor_shapes(
@@ -177,23 +190,37 @@ class PipelineExecutor:
         return iteration.forward_data_store
 
 
+@dataclass
 class _Iteration:
     """The state of one forward-backward call: tensors in flight between passes of this rank."""
 
-    def __init__(self, *, executor, mcore, schedule, rank, chunks, iterators, config, forward_step_func,
-                 num_microbatches, cp_size, forward_only, collect_non_loss_data, first_val_step, transport,
-                 device, stores):
-        self.__dict__.update(locals())
-        del self.__dict__["self"]
-        self.last_vstage = schedule.num_virtual_stages - 1
-        self.forward_data_store: list = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
-        self.saved: dict[tuple[int, int], tuple] = {}  # (mb, chunk) -> (input, output) kept for B
-        self.outgoing: dict = {}  # Message -> tensor to send at the next Send
-        self.handoff: dict = {}  # tensors crossing between two chunks of this rank (the turn of a V)
-        self.started_chunks: set[int] = set()
-        self.in_flight = 0
-        self.stats = IterationStats()
+    executor: PipelineExecutor
+    mcore: object  # megatron.core.pipeline_parallel.schedules, whose forward_step/backward_step we call
+    schedule: Schedule
+    rank: int
+    chunks: list
+    iterators: list
+    config: object
+    forward_step_func: Callable
+    num_microbatches: int
+    cp_size: int
+    forward_only: bool
+    collect_non_loss_data: bool
+    first_val_step: bool | None
+    transport: PipelineTransport
+    device: torch.device
+    stores: list[WeightGradStore]
+    forward_data_store: list = field(default_factory=list)
+    saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
+    outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
+    handoff: dict = field(default_factory=dict)  # tensors crossing between two chunks of this rank (a V's turn)
+    started_chunks: set = field(default_factory=set)
+    in_flight: int = 0
+    stats: IterationStats = field(default_factory=IterationStats)
+
+    def __post_init__(self):
+        self.last_vstage = self.schedule.num_virtual_stages - 1
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     def run(self, program: list) -> None:
         for item in program:

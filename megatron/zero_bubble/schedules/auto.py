@@ -2,14 +2,15 @@
 
 ZB-1p and ZB-2p are this planner under a memory limit of p and 2p in-flight microbatches (p M_B, 2p M_B).
 
-The heuristic fixes each stage's F/B order as a template (a warm-up of F passes, then B and F
-alternating, then the remaining B) and places W passes while it simulates with the real costs
-(T_F, T_B, T_W per stage, T_comm between ranks): a W goes into every idle gap of at least T_W, into a
-smaller gap when leaving it idle would make that stage the most idle one so far, and before an F or
-B whenever the memory limit demands; the tail runs the W still pending. W runs in microbatch order,
-which keeps the accumulated weight gradients bit-identical to 1F1B. A handful of warm-up variants are
-tried and the one with the shortest longest-stage span wins. Because W has no successors, placing it
-changes only its own stage's timeline, so the simulation never has to look ahead.
+The heuristic is list scheduling with the real costs (T_F, T_B, T_W per stage, T_comm between ranks):
+each stage warms up with F passes (up to a cap on F without their B, within the memory limit), then
+runs B and F as they arrive, and places W passes as it goes: into every idle gap of at least T_W, into
+a smaller gap when leaving it idle would make that stage the most idle one so far, and before an F or
+B whenever the memory limit demands; the tail runs the W still pending. Each stage runs W in microbatch
+order, which keeps the accumulated weight gradients bit-identical to 1F1B. Because W has no successors,
+placing a W changes only its own stage's timeline, so W can be placed in a gap once the gap's end is
+known. A few cap shapes and rule variants are simulated, the caps of the best are tuned one stage at a
+time, and the shortest longest-stage span (the paper's cost) wins.
 """
 from __future__ import annotations
 
@@ -22,18 +23,19 @@ from .costs import Costs
 from .memory import rank_memory_limits
 from .schedule import Pass, Schedule, ScheduleError
 
-# A planned pass on one stage: (op, microbatch) with op in "F", "B", "W".
-Step = tuple[str, int]
+Step = tuple[str, int]  # a pass on one stage: (op, microbatch) with op in "F", "B", "W"
 
 _TOLERANCE = 1e-9
+# Passes the heuristic may simulate in all (about half a second of CPU): p=32, m=256 gets 16 runs.
+PASS_BUDGET = 400_000
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One stage order per rank plus the figures the variants are compared by."""
+    """One order per stage and its longest stage span (own first pass to own last pass)."""
 
     orders: list[list[Step]]
-    span: float  # longest stage span, own first pass to own last pass (the paper's cost)
+    span: float
     label: str  # which variant produced it, for the schedule's info
 
 
@@ -47,7 +49,7 @@ class Problem:
     t_b: tuple[float, ...]
     t_w: tuple[float, ...]
     m_f: tuple[float, ...]  # M_B of the paper: what an F adds
-    m_w: tuple[float, ...]  # what a B keeps for its W
+    m_w: tuple[float, ...]  # M_W: what a B keeps for its W
     t_comm: float
     limits: tuple[float, ...]  # activation memory each rank may hold, in the costs' unit
 
@@ -59,13 +61,10 @@ class Problem:
     def fits(self, s: int, held: float) -> bool:
         return held <= self.limits[s] * (1 + _TOLERANCE) + _TOLERANCE
 
-    def warmup_cap(self, s: int) -> int:
-        """Most F a stage can hold before its first B: k M_B fits, and the B after it too."""
-        mf, mw = self.m_f[s], self.m_w[s]
-        if mf <= 0:
-            return self.microbatches
+    def memory_cap(self, s: int) -> int:
+        """Most F a stage can hold without their B: k M_B fits, and so does the B that follows."""
         k = self.microbatches
-        while k > 1 and not (self.fits(s, k * mf) and self.fits(s, (k - 1) * mf + mw)):
+        while k > 1 and not (self.fits(s, k * self.m_f[s]) and self.fits(s, (k - 1) * self.m_f[s] + self.m_w[s])):
             k -= 1
         return k
 
@@ -73,100 +72,16 @@ class Problem:
         return self.microbatches * (self.t_f[s] + self.t_b[s] + self.t_w[s])
 
 
-def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
-    """List-schedule F and B in time order with the real costs, placing W as the module docstring says.
-
-    caps[s] bounds stage s's F passes not yet followed by their B (its warm-up, and what it keeps in
-    flight afterwards). Strict rules alternate B and F after the warm-up, 1F1B-style; eager rules run
-    whichever of B (first) and F is ready. Caps that never increase along the pipeline keep strict
-    rules deadlock-free; eager rules are deadlock-free for any caps of at least 1.
-    """
-    p, m, tc = problem.stages, problem.microbatches, problem.t_comm
-    end_f = [[-1.0] * m for _ in range(p)]
-    end_b = [[-1.0] * m for _ in range(p)]
-    orders: list[list[Step]] = [[] for _ in range(p)]
-    free, start, idle, held = [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    # Decision points (time, stage): a stage decides when it gets free or when an input arrives.
-    events = [(0.0, s) for s in range(p)]
-    most_idle = 0.0
-    while events:
-        now, s = heapq.heappop(events)
-        if nb[s] == m or free[s] > now + _TOLERANCE * (1.0 + now):
-            continue
-        j, k = nb[s], nf[s]
-        b_arrival = -1.0  # when B(j) can start on s; -1 while the stage after has not run it
-        if j < k:
-            if s == p - 1:
-                b_arrival = end_f[s][j]
-            elif end_b[s + 1][j] >= 0:
-                b_arrival = max(end_f[s][j], end_b[s + 1][j] + tc)
-        slack = _TOLERANCE * (1.0 + now)
-        b_ready = 0 <= b_arrival <= now + slack
-        f_ready = k < m and k - j < caps[s] and (s == 0 or 0 <= end_f[s - 1][k] and end_f[s - 1][k] + tc <= now + slack)
-        if rule.strict:  # 1F1B order: F while under the cap, else B
-            if k - j < caps[s] and k < m:
-                b_ready = False
-            else:
-                f_ready = False
-        elif f_ready and not b_ready and s > 0 and 0 <= b_arrival < now + rule.wait(j) * problem.t_f[s]:
-            f_ready = False  # B arrives soon and the stages before wait for it: an F now would delay it
-        if b_ready and f_ready and rule.prefer_f:
-            b_ready = False
-        if b_ready:
-            op, mb, delta, length = "B", j, problem.m_w[s] - problem.m_f[s], problem.t_b[s]
-        elif f_ready:
-            op, mb, delta, length = "F", k, problem.m_f[s], problem.t_f[s]
-        else:
-            continue  # wait: the next arrival is another decision point
-        t = free[s] if start[s] >= 0 else now
-        tw, mw = problem.t_w[s], problem.m_w[s]
-        # W passes: those the memory limit forces, those that fit in the idle gap, then maybe one more.
-        while nw[s] < j and (not problem.fits(s, held[s] + delta) or t + tw <= now + slack):
-            orders[s].append(("W", nw[s]))
-            nw[s], t, held[s] = nw[s] + 1, t + tw, held[s] - mw
-        gap = now - t
-        if nw[s] < j and gap > slack and rule.overhang(gap, tw, idle[s], most_idle):
-            orders[s].append(("W", nw[s]))
-            nw[s], t, held[s] = nw[s] + 1, t + tw, held[s] - mw
-        if start[s] < 0:
-            start[s] = now
-        elif now > t:
-            idle[s] += now - t
-            most_idle = max(most_idle, idle[s])
-        t = max(t, now)
-        orders[s].append((op, mb))
-        free[s] = t + length
-        held[s] += delta
-        if op == "F":
-            end_f[s][mb] = free[s]
-            nf[s] += 1
-            if s + 1 < p:
-                heapq.heappush(events, (free[s] + tc, s + 1))
-        else:
-            end_b[s][mb] = free[s]
-            nb[s] += 1
-            if s > 0:
-                heapq.heappush(events, (free[s] + tc, s - 1))
-        heapq.heappush(events, (free[s], s))
-    if any(nb[s] < m for s in range(p)):
-        raise ScheduleError("the automatic planner's caps deadlock; strict rules need caps that never increase")
-    spans = []
-    for s in range(p):
-        orders[s] += [("W", i) for i in range(nw[s], m)]
-        spans.append(free[s] + (m - nw[s]) * problem.t_w[s] - start[s])
-    return Plan(orders, max(spans), f"caps {list(caps)}, {rule}")
-
-
 @dataclass(frozen=True)
 class Rule:
     """Knobs of one greedy variant.
 
-    strict: B and F alternate after the warm-up (else B first, F whenever ready and under the cap).
-    fill: a W goes into an idle gap of at least fill * T_W (1.0: only gaps it fits in; the W then
-      delays the next pass by T_W - gap).
-    bubble: also insert a W when leaving the gap idle would make this stage the most idle one so far.
-    patience: do not start an F when the next B arrives within patience * T_F.
+    strict: B and F alternate after the warm-up, 1F1B-style (else B first, F whenever ready and under
+      the cap); strict needs caps that never increase along the pipeline to be deadlock-free.
+    fill: a W also goes into an idle gap of at least fill * T_W, delaying the next pass by T_W - gap.
+    bubble: also insert such a W when leaving the gap idle would make this stage the most idle so far.
+    patience, warmup_patience: after / before a stage's first B, do not start an F when the next B
+      arrives within that many T_F (an F then would delay the B the stages before wait for).
     """
 
     strict: bool = False
@@ -174,72 +89,221 @@ class Rule:
     bubble: bool = True
     patience: float = 0.0
     warmup_patience: float = 0.0
-    prefer_f: bool = False
-
-    def wait(self, b_done: int) -> float:
-        return self.warmup_patience if b_done == 0 else self.patience
-
-    def overhang(self, gap: float, t_w: float, idle: float, most_idle: float) -> bool:
-        return gap >= self.fill * t_w or (self.bubble and idle + gap > most_idle)
 
     def __str__(self) -> str:
         order = "strict 1F1B order" if self.strict else "eager B/F"
         bubble = " + bubble rule" if self.bubble else ""
-        return f"{order}, W fill {self.fill:g}{bubble}, patience {self.patience:g} (warm-up {self.warmup_patience:g})"
+        return f"{order}, W fill {self.fill:g}{bubble}, patience {self.patience:g}/{self.warmup_patience:g}"
+
+
+def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
+    """Schedule F and B in time order with the real costs, placing W as the module docstring says."""
+    p, m, tc = problem.stages, problem.microbatches, problem.t_comm
+    t_f, t_b, t_w, m_f, m_w = problem.t_f, problem.t_b, problem.t_w, problem.m_f, problem.m_w
+    room = [x * (1 + _TOLERANCE) + _TOLERANCE for x in problem.limits]
+    strict, fill, bubble = rule.strict, rule.fill, rule.bubble
+    end_f = [[-1.0] * m for _ in range(p)]
+    end_b = [[-1.0] * m for _ in range(p)]
+    orders: list[list[Step]] = [[] for _ in range(p)]
+    free, start, idle, held = [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
+    nf, nb, nw = [0] * p, [0] * p, [0] * p
+    events = [(0.0, s) for s in range(p)]  # (time, stage): decide when free or when an input arrives
+    push, pop = heapq.heappush, heapq.heappop
+    most_idle = 0.0
+    while events:
+        now, s = pop(events)
+        slack = _TOLERANCE * (1.0 + now)
+        if nb[s] == m or free[s] > now + slack:
+            continue
+        j, k = nb[s], nf[s]
+        b_arrival = -1.0  # when B(j) can start on s; -1 while the next stage has not run it
+        if j < k:
+            if s == p - 1:
+                b_arrival = end_f[s][j]
+            elif end_b[s + 1][j] >= 0:
+                b_arrival = max(end_f[s][j], end_b[s + 1][j] + tc)
+        b_ready = 0 <= b_arrival <= now + slack
+        under_cap = k < m and k - j < caps[s]
+        f_ready = under_cap and (s == 0 or 0 <= end_f[s - 1][k] and end_f[s - 1][k] + tc <= now + slack)
+        if strict:  # F while under the cap, else B
+            b_ready = b_ready and not under_cap
+            f_ready = f_ready and under_cap
+        elif f_ready and not b_ready and s > 0 and 0 <= b_arrival:
+            wait = rule.warmup_patience if j == 0 else rule.patience
+            f_ready = b_arrival >= now + wait * t_f[s]
+        if b_ready:
+            op, mb, delta, length = "B", j, m_w[s] - m_f[s], t_b[s]
+        elif f_ready:
+            op, mb, delta, length = "F", k, m_f[s], t_f[s]
+        else:
+            continue  # wait: the next arrival is another decision point
+        order, tw = orders[s], t_w[s]
+        t = free[s] if start[s] >= 0 else now
+        # W passes the memory limit forces, then those that fit in the idle gap, then maybe one more.
+        while nw[s] < j and (held[s] + delta > room[s] or t + tw <= now + slack):
+            order.append(("W", nw[s]))
+            nw[s] += 1
+            t += tw
+            held[s] -= m_w[s]
+        gap = now - t
+        if nw[s] < j and gap > slack and (gap >= fill * tw or (bubble and idle[s] + gap > most_idle)):
+            order.append(("W", nw[s]))
+            nw[s] += 1
+            t += tw
+            held[s] -= m_w[s]
+        if start[s] < 0:
+            start[s] = now
+        elif now > t:
+            idle[s] += now - t
+            most_idle = max(most_idle, idle[s])
+            t = now
+        order.append((op, mb))
+        end = free[s] = t + length
+        held[s] += delta
+        if op == "F":
+            end_f[s][mb] = end
+            nf[s] += 1
+            if s + 1 < p:
+                push(events, (end + tc, s + 1))
+        else:
+            end_b[s][mb] = end
+            nb[s] += 1
+            if s > 0:
+                push(events, (end + tc, s - 1))
+        push(events, (end, s))
+    if any(nb[s] < m for s in range(p)):
+        raise ScheduleError("the automatic planner's caps deadlock; strict rules need caps that never increase")
+    spans = []
+    for s in range(p):
+        orders[s] += [("W", i) for i in range(nw[s], m)]
+        spans.append(free[s] + (m - nw[s]) * t_w[s] - start[s])
+    return Plan(orders, max(spans), f"caps {list(caps)}, {rule}")
 
 
 def ideal_warmups(problem: Problem) -> list[float]:
-    """F a stage runs before B of microbatch 0 returns, if F never waited (the paper's k for stage 0)."""
-    p, tc = problem.stages, problem.t_comm
+    """F a stage can run before B of microbatch 0 returns to it (the paper's k for stage 0)."""
+    p, tc, m = problem.stages, problem.t_comm, problem.microbatches
     out = []
     for s in range(p):
         round_trip = sum(problem.t_f[t] + problem.t_b[t] + 2 * tc for t in range(s + 1, p))
-        out.append(1 + round_trip / problem.t_f[s] if problem.t_f[s] > 0 else float(problem.microbatches))
+        out.append(1 + round_trip / problem.t_f[s] if problem.t_f[s] > 0 else float(m))
     return out
 
 
-def warmup_variants(problem: Problem) -> dict[str, tuple[int, ...]]:
-    """Candidate caps by name, each within memory and m and made non-increasing over stages."""
+def cap_shapes(problem: Problem) -> dict[str, tuple[int, ...]]:
+    """Candidate caps by name, each within memory and m and never increasing along the pipeline."""
     p = problem.stages
-    caps = [problem.warmup_cap(s) for s in range(p)]
+    limit = [problem.memory_cap(s) for s in range(p)]
     ideal = ideal_warmups(problem)
-    shapes = {f"ideal{shift:+d}": [math.ceil(k - 1e-9) + shift for k in ideal] for shift in (-1, 0, 1)}
-    for threshold in (0.1, 0.25, 0.5, 1.0):  # round the ideal down when its fraction is below threshold
-        shapes[f"ideal-round{threshold:g}"] = [math.floor(k) if k - math.floor(k) < threshold else math.ceil(k)
-                                               for k in ideal]
-    for less in (0, 1, 2):
-        shapes[f"1f1b-{less}"] = [caps[0] - less - s for s in range(p)]  # one F fewer per stage
-    shapes["memory"] = list(caps)
-    variants = {}
-    for name, shape in shapes.items():
-        warmups, previous = [], problem.microbatches
-        for s in range(p):
-            warmups.append(max(1, min(shape[s], caps[s], previous)))
-            previous = warmups[-1]
-        variants[name] = tuple(warmups)
-    return variants
+    shapes = {"ideal-ceil": [math.ceil(k - 1e-9) for k in ideal], "ideal-floor": [math.floor(k) for k in ideal]}
+    shapes["ideal-ceil-1"] = [k - 1 for k in shapes["ideal-ceil"]]
+    shapes["ideal-ceil+1"] = [k + 1 for k in shapes["ideal-ceil"]]
+    for threshold in (0.1, 0.25, 0.5):  # round the ideal down when its fraction is below threshold
+        shapes[f"ideal-round{threshold:g}"] = [math.floor(k) + (k - math.floor(k) >= threshold) for k in ideal]
+    for less in (0, 1):
+        shapes[f"1f1b-{less}"] = [limit[0] - less - s for s in range(p)]  # one F fewer per stage
+    shapes["memory"] = limit
+    return {name: _monotone(shape, limit, problem.microbatches) for name, shape in shapes.items()}
 
 
-RULES = tuple(
-    Rule(strict, fill, bubble, patience)
-    for strict in (False, True)
-    for fill in (1.0, 0.5, 0.0)
-    for bubble in (True, False)
-    for patience in ((0.0,) if strict else (0.0, 0.1, 0.25, 0.5, 1.0))
+def _monotone(shape: Sequence[int], limit: Sequence[int], microbatches: int) -> tuple[int, ...]:
+    caps, previous = [], microbatches
+    for want, most in zip(shape, limit):
+        previous = max(1, min(want, most, previous))
+        caps.append(previous)
+    return tuple(caps)
+
+
+# Tried first, in this order: together they matched the best of all variants on a grid of small
+# pipelines and on the paper's rows; the full product follows while the budget lasts.
+FAVOURITES = (
+    ("ideal-floor", Rule(warmup_patience=0.25)),
+    ("1f1b-0", Rule(strict=True, bubble=False)),
+    ("ideal-round0.5", Rule(strict=True, fill=0.5)),
+    ("ideal-ceil", Rule(fill=0.0, patience=0.25, warmup_patience=0.1)),
+    ("ideal-round0.25", Rule(strict=True)),
+    ("ideal-ceil", Rule()),
+    ("1f1b-0", Rule(warmup_patience=0.5)),
+    ("ideal-round0.1", Rule(strict=True, fill=0.5)),
 )
+RULES = tuple(Rule(False, fill, bubble, patience, warmup)
+              for fill in (1.0, 0.5, 0.0) for bubble in (True, False)
+              for patience in (0.0, 0.25) for warmup in (0.0, 0.1, 0.25, 0.5)) + tuple(
+    Rule(True, fill, bubble) for fill in (1.0, 0.5, 0.0) for bubble in (True, False))
 
 
-def best_heuristic(problem: Problem, rules: Sequence[Rule] = RULES) -> Plan:
-    """The shortest-span plan over the cap variants and greedy rules."""
-    best, tried = None, set()
-    for caps in warmup_variants(problem).values():
-        for rule in rules:
-            if (caps, rule) in tried:
-                continue
-            tried.add((caps, rule))
-            plan = greedy(problem, caps, rule)
-            if best is None or plan.span < best.span * (1 - 1e-12):
-                best = plan
+def span_lower_bound(problem: Problem) -> float:
+    """No schedule that runs each stage's F, B and W in microbatch order has a shorter longest span.
+
+    Chain: stage k runs all its F and B before its last B ends; that B travels back to stage i < k and
+    is followed by its W there, while stage i's span starts when F of microbatch 0 reaches it.
+    Memory: before B of microbatch 0 returns, a stage can only run the F its memory holds; after its
+    last F it can only run the B and W of what it holds until the B of that last F returns.
+    """
+    p, m, tc = problem.stages, problem.microbatches, problem.t_comm
+    t_f, t_b, t_w = problem.t_f, problem.t_b, problem.t_w
+    first = [sum(t_f[:s]) + s * tc for s in range(p)]
+    bound = 0.0
+    for i in range(p):
+        round_trip = sum(t_f[t] + t_b[t] + 2 * tc for t in range(i + 1, p))  # F leaves i, its B returns
+        cap = min(problem.memory_cap(i), m)
+        before_first_b = max(0.0, t_f[i] + round_trip - cap * t_f[i])
+        tail_work = 0.0
+        for held in range(1, cap + 1):  # F still without B when the last F ends
+            room = problem.limits[i] * (1 + _TOLERANCE) - held * problem.m_f[i]
+            pending = m - held if problem.m_w[i] <= 0 else min(m - held, max(0, int(room / problem.m_w[i])))
+            tail_work = max(tail_work, (held - 1) * (t_b[i] + t_w[i]) + pending * t_w[i])
+        after_last_f = max(0.0, round_trip - tail_work)
+        idle = before_first_b + after_last_f if m > cap else max(before_first_b, after_last_f)
+        bound = max(bound, problem.busy(i) + idle)
+    for k in range(1, p):
+        ready = first[k] + m * (t_f[k] + t_b[k])
+        for i in reversed(range(k)):
+            ready += tc + t_b[i]
+            bound = max(bound, ready + t_w[i] - first[i])
+    return bound
+
+
+def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
+    """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes."""
+    shapes = cap_shapes(problem)
+    cost = 3 * problem.stages * problem.microbatches
+    enough = span_lower_bound(problem) * (1 + _TOLERANCE)
+    tried: dict[tuple[tuple[int, ...], Rule], Plan] = {}
+
+    def run(caps: tuple[int, ...], rule: Rule) -> Plan:
+        nonlocal budget
+        if (caps, rule) not in tried:
+            budget -= cost
+            tried[(caps, rule)] = greedy(problem, caps, rule)
+        return tried[(caps, rule)]
+
+    best = None
+    for name, rule in FAVOURITES:
+        plan = run(shapes[name], rule)
+        best = plan if best is None or plan.span < best.span else best
+        if best.span <= enough or budget < cost:
+            return best
+    caps, rule = next(key for key, plan in tried.items() if plan is best)
+    most = [min(problem.memory_cap(s), problem.microbatches) for s in range(problem.stages)]
+    improved = True
+    while improved and budget >= cost:
+        improved = False
+        for s in range(problem.stages):
+            # one stage's cap, or the caps of it and all later stages together, one up or down
+            for step, stop in ((1, s + 1), (-1, s + 1), (-1, problem.stages), (1, problem.stages)):
+                trial = tuple(max(1, min(c + step, most[t])) if s <= t < stop else c for t, c in enumerate(caps))
+                if (rule.strict and trial != _monotone(trial, trial, problem.microbatches)) or budget < cost:
+                    continue
+                plan = run(trial, rule)
+                if plan.span < best.span * (1 - 1e-12):
+                    best, caps, improved = plan, trial, True
+    for shape in shapes.values():
+        for rule in RULES:
+            if best.span <= enough or budget < cost:
+                return best
+            plan = run(shape, rule)
+            best = plan if plan.span < best.span * (1 - 1e-12) else best
     return best
 
 
@@ -262,9 +326,10 @@ def zb_auto(
     memory_limit counts in-flight microbatches (multiples of each rank's M_B); memory_limit_absolute is
     in the costs' memory unit. ilp_time_limit (seconds, 0 skips) bounds the ILP refinement, whose
     result replaces the heuristic's only when it simulates to a shorter longest-stage span.
+    progress(line) hears from the ILP about once a second when it runs longer than that.
     """
     if stages < 1 or microbatches < 1:
-        raise ScheduleError(f"the automatic planner needs at least 1 stage and 1 microbatch, got {stages} and {microbatches}")
+        raise ScheduleError(f"the automatic planner needs a stage and a microbatch, got {stages} and {microbatches}")
     if costs.num_virtual_stages != stages:
         raise ScheduleError(f"costs describe {costs.num_virtual_stages} stages but the pipeline has {stages}")
     if memory_limit is None and memory_limit_absolute is None:
@@ -278,12 +343,11 @@ def zb_auto(
                 f"memory limit {limits[s]:.4g} on rank {s} is below one microbatch's activations ({need:.4g})"
             )
     plan = best_heuristic(problem)
-    info = {"planner": {"memory_limit": memory_limit, "memory_limit_absolute": memory_limit_absolute,
-                        "heuristic": plan.label, "heuristic_span": plan.span}}
+    notes = {"memory_limit": memory_limit, "memory_limit_absolute": memory_limit_absolute,
+             "heuristic": plan.label, "heuristic_span": plan.span}
     if ilp_time_limit and ilp_time_limit > 0:
         from .ilp import refine  # highspy is imported only when the refinement runs
 
-        plan, note = refine(problem, plan, ilp_time_limit, progress)
-        info["planner"]["ilp"] = note
-    info["planner"]["span"] = plan.span
-    return to_schedule(problem, plan, info)
+        plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)
+    notes["span"] = plan.span
+    return to_schedule(problem, plan, {"planner": notes})

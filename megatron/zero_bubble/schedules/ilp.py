@@ -7,7 +7,7 @@ the gradients bit-identical to 1F1B); pairs further apart keep the heuristic's o
 a large neighbourhood of the heuristic's schedule rather than a hopeless full model for big p and m.
 Constraints: dependencies with T_comm, no overlap on a stage (big-M per pair, from the time windows),
 and the memory limit after every F (and after every B when M_W > M_B). Objective: C >= end of a stage's
-last W minus the start of its first F, every first F pinned at its earliest time, so that simulating the
+last W minus the earliest start of its first F (where the simulator starts it), so simulating the
 extracted order can only shorten the spans. Warm-started from the heuristic, time-limited, and its
 result is used only if it simulates to a shorter span than the heuristic's.
 """
@@ -40,7 +40,7 @@ class Windows:
     """Earliest and latest start of every pass when no stage span may exceed `span`.
 
     Earliest: dependencies and the passes that must run before on the same stage; latest: the same,
-    backwards from each stage's deadline (its pinned first start plus `span`).
+    backwards from each stage's deadline (its earliest first start plus `span`).
     """
 
     def __init__(self, problem: Problem, first: list[float], span: float):
@@ -190,7 +190,7 @@ def refine(
     highs.setOptionValue("time_limit", float(remaining))
     _load(highs, model)
     if progress is not None:
-        _report_progress(highs, progress, begun)
+        _report_progress(highs, progress, begun, max(problem.busy(s) for s in range(p)))
     highs.setSolution(_warm_start(baseline, plan, columns, binaries, objective, len(model.lower)))
     highs.run()
     solution = highs.getSolution()
@@ -231,7 +231,7 @@ def _build(problem: Problem, plan: Plan, windows: Windows, near, window: int, fi
             for kind in KINDS:
                 if j > 0:
                     after((s, (kind, j)), (s, (kind, j - 1)), windows.duration(s, (kind, j - 1)))
-        # C covers the stage span: end of its last W minus its pinned first start.
+        # C covers the stage span: end of its last W minus the earliest start of its first F.
         model.row([(objective, 1.0), (columns[(s, ("W", m - 1))], -1.0)], problem.t_w[s] - first[s])
     binaries: list[int] = []
     for s, order in enumerate(plan.orders):
@@ -317,7 +317,7 @@ def _warm_start(baseline, plan: Plan, columns: dict, binaries: list[int], object
     return solution
 
 
-def _report_progress(highs, progress: Callable[[str], None], begun: float) -> None:
+def _report_progress(highs, progress: Callable[[str], None], begun: float, busiest: float) -> None:
     """Call progress with elapsed time and best span at most once a second, after the first second."""
     last = [begun]
 
@@ -326,8 +326,9 @@ def _report_progress(highs, progress: Callable[[str], None], begun: float) -> No
         if now - begun < 1.0 or now - last[0] < 1.0:
             return
         last[0] = now
-        out = event.data_out
-        progress(f"ILP {now - begun:.0f} s: best span {out.mip_primal_bound:.6g}, bound {out.mip_dual_bound:.6g}")
+        best, bound = event.data_out.mip_primal_bound, event.data_out.mip_dual_bound
+        bubble = f" (bubble {100 * (best - busiest) / best:.2f}%)" if 0 < best < float("inf") else ""
+        progress(f"ILP {now - begun:.0f} s: best span {best:.6g}{bubble}, bound {bound:.6g}")
 
     highs.cbMipInterrupt.subscribe(on_interrupt)
 

@@ -1,24 +1,27 @@
 """V-shape schedules: ZB-V, V-Half and V-Min, built by a greedy list scheduler that simulates as it builds.
 
 Layout "v": the model is cut into 2p chunks and rank r holds virtual stage r (chunk 0) and 2p-1-r
-(chunk 1), so a microbatch goes down the ranks and back up, and its loss is computed on rank 0. The turn
+(chunk 1), so a microbatch runs down the ranks and back up, and its loss is computed on rank 0. The turn
 of the V (virtual stage p-1 to p) stays on rank p-1, so it costs no T_comm.
 
-The scheduler walks simulated time. Whenever a rank is free it runs, in order of preference: a B that is
-ready (B is on the critical path), an F that is ready and fits the memory limit (chunk 1 first, since it
-is closer to the loss), and otherwise a W to fill the gap or to free memory. Each op of each chunk runs
-in microbatch order, so W accumulates weight gradients in the same order as 1F1B. Memory limits follow
-"Pipeline Parallelism with Controllable Memory" (arXiv 2405.15362): ZB-V p M_B (as 1F1B), V-Half
-(p+2)//2 M_B, V-Min (p+4)//3 M_B. A few policy variants are tried and the best simulated bubble is kept.
+The scheduler walks simulated time with the real T_F, T_B, T_W of every virtual stage and T_comm. When a
+rank is free it starts the ready pass its policy prefers (B is on the critical path; an F of chunk 1 is
+closer to the loss than one of chunk 0), an F only if it fits the memory limit, and otherwise a W to fill
+the gap or to free memory. Every op of a chunk runs in microbatch order, so each rank accumulates weight
+gradients in the same order as 1F1B. Several policies are tried, together with the handcrafted ZB-V order
+of the paper, and the best simulated bubble is kept.
+
+Default memory limits follow "Pipeline Parallelism with Controllable Memory" (arXiv 2405.15362):
+ZB-V p M_B (as 1F1B), V-Half (p+2)//2 M_B, V-Min (p+4)//3 M_B, M_B being one microbatch's activations
+of a whole rank.
 """
 from __future__ import annotations
 
 import heapq
-import itertools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .costs import Costs
-from .memory import rank_memory_limits
+from .memory import memory_profile, rank_memory_limits
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import simulate
 
@@ -27,35 +30,43 @@ _EPS = 1e-9
 
 @dataclass(frozen=True)
 class Policy:
-    """The choices the greedy leaves open; `_policies` lists the variants tried.
+    """The choices the greedy leaves open.
 
-    order: preference among ready passes, e.g. ("B", "F1", "F0"): B first, then F of chunk 1, then of chunk 0.
-    b_order: which ready B runs first: "older" (smaller microbatch, chunk 0 on ties), "chunk0", "chunk1".
-    w_fill: "always" runs a W whenever nothing else is ready; "fits" runs it only if it ends before the
-      next known arrival of an F or B (or memory needs it, or no arrival is known yet).
-    wait: hold back a ready pass for a preferred one arriving within `wait` times its duration.
-    f0_cap_offset: cap on chunk-0 forwards in flight per rank, relative to 2p-1-r; None leaves it to memory.
+    order: preference among ready passes: "B", "F1" (F of chunk 1) and "F0".
+    b_order: which of two ready B runs first: "older" (smaller microbatch) or "chunk1".
+    w_fill: when nothing else is ready, "always" runs a W; "fits" only if it ends before the next known
+      arrival of an F or B; "slack" likewise but ignores B arrivals on virtual stage 0 (they only unlock
+      their own W). A W always runs when a ready F waits for memory.
+    wait: leave the rank idle for a preferred pass arriving within `wait` times the ready pass's duration.
+    f0_cap: chunk-0 forwards in flight (F done, B not) per rank are capped at 2p-1-r (the paper's V) if 0.
+    warmup: before its first chunk-1 F, rank r runs only the chunk-0 forwards that fit until microbatch 0
+      comes back (computed from T_F and T_comm) if 0; None leaves it to memory.
     """
 
     order: tuple = ("B", "F1", "F0")
     b_order: str = "older"
     w_fill: str = "always"
     wait: float = 0.0
-    f0_cap_offset: int | None = None
-    warmup_extra: int | None = None
-    w_backlog: int | None = None
+    f0_cap: int | None = None
+    warmup: int | None = None
 
 
-def _policies(stages: int) -> list[Policy]:
-    orders = (("B", "F1", "F0"), ("F1", "B", "F0"), ("F1", "F0", "B"))
-    return [
-        Policy(*choice)
-        for choice in itertools.product(orders, ("older", "chunk1"), ("always", "fits", "slack"), (0.0, 0.5), (None, 0), (None, 0), (None, 0, 1, 2))
-    ]
+# Chosen greedily (each one cuts the summed regret most) from a sweep of all 144 combinations over p 3..8,
+# the paper's profiled costs, equal and skewed costs, T_comm 0 and > 0, and the three memory limits.
+_POLICIES = (
+    Policy(("F1", "F0", "B"), "older", "slack", 0.0, 0, 0),
+    Policy(("F1", "B", "F0"), "chunk1", "slack", 0.0, 0, 0),
+    Policy(("F1", "F0", "B"), "chunk1", "slack", 0.5, 0, 0),
+    Policy(("B", "F1", "F0"), "chunk1", "fits", 0.0, None, 0),
+    Policy(("F1", "F0", "B"), "chunk1", "slack", 0.0, None, 0),
+    Policy(("F1", "B", "F0"), "chunk1", "always", 0.5, None, 0),
+    Policy(("F1", "B", "F0"), "older", "fits", 0.0, None, 0),
+    Policy(("B", "F1", "F0"), "chunk1", "fits", 0.5, None, None),
+)
 
 
 class _Rank:
-    """Progress of one rank: per chunk, the next microbatch of each op; memory held; when it is free."""
+    """Progress of one rank: per (op, chunk) the next microbatch, memory held, when it is free, its order."""
 
     def __init__(self, rank: int, stages: int, limit: float):
         self.rank = rank
@@ -64,153 +75,149 @@ class _Rank:
         self.memory = 0.0
         self.limit = limit
         self.free_at = 0.0
+        self.first_start: float | None = None
         self.order: list[Pass] = []
 
 
 class _Greedy:
-    """One run of the list scheduler under one policy; `run()` returns each rank's pass order."""
+    """One run of the list scheduler under one policy."""
 
-    def __init__(self, stages: int, microbatches: int, costs: Costs, limits: list[float], policy: Policy):
-        self.p, self.m, self.costs, self.policy = stages, microbatches, costs, policy
+    def __init__(self, stages, microbatches, costs: Costs, limits: list[float], policy: Policy, prefix=None):
+        self.prefix = prefix  # per rank, passes to run first and in this order (a seed such as the paper's V)
+        self.p, self.m, self.nv, self.costs, self.policy = stages, microbatches, 2 * stages, costs, policy
         self.ranks = [_Rank(r, stages, limits[r]) for r in range(stages)]
-        self.ended: dict[tuple[str, int, int], float] = {}  # (op, mb, vstage) -> end time
-        self.nv = 2 * stages
-        self.warmup = None if policy.warmup_extra is None else self._warmup_counts(policy.warmup_extra)
-
-    def _warmup_counts(self, extra: int) -> list[int]:
-        """Chunk-0 forwards each rank fits before microbatch 0 comes back to its chunk 1, on an empty pipeline."""
-        costs, start = self.costs, [0.0]
-        for v in range(self.nv - 1):
-            hop = costs.t_comm if self._owner(v) != self._owner(v + 1) else 0.0
-            start.append(start[-1] + costs.t_f[v] + hop)
-        counts = []
-        for r in range(self.p):
-            gap = start[self.nv - 1 - r] - start[r]
-            counts.append(max(1, int(gap / max(costs.t_f[r], _EPS) + _EPS)) + extra)
-        return counts
+        self.ended: dict[tuple[str, int, int], float] = {}  # (op, mb, virtual stage) -> end time
+        self.times = {"F": costs.t_f, "B": costs.t_b, "W": costs.t_w}
+        self.warmup = None if policy.warmup is None else self._warmup_counts(policy.warmup)
 
     def _owner(self, vstage: int) -> int:
         return vstage if vstage < self.p else self.nv - 1 - vstage
 
+    def _warmup_counts(self, extra: int) -> list[int]:
+        """Chunk-0 forwards each rank fits before microbatch 0 returns to its chunk 1, on an empty pipeline."""
+        start = [0.0]
+        for v in range(self.nv - 1):
+            hop = self.costs.t_comm if self._owner(v) != self._owner(v + 1) else 0.0
+            start.append(start[-1] + self.costs.t_f[v] + hop)
+        return [
+            max(1, int((start[self.nv - 1 - r] - start[r]) / max(self.costs.t_f[r], _EPS) + _EPS)) + extra
+            for r in range(self.p)
+        ]
+
     def _arrival(self, op: str, mb: int, vstage: int, rank: int) -> float | None:
-        """When the output of (op, mb, vstage) is usable on `rank`, or None if it is not scheduled yet."""
+        """When the output of (op, mb, vstage) is usable on `rank`; None while it is not scheduled."""
         end = self.ended.get((op, mb, vstage))
         if end is None:
             return None
         return end + (self.costs.t_comm if self._owner(vstage) != rank else 0.0)
 
-    def _candidates(self, rk: _Rank):
-        """(op, chunk, mb, ready time or None) for the next F and B of each chunk whose turn has come."""
+    def _ready(self, rk: _Rank, op: str, c: int, mb: int) -> float | None:
+        """When the inputs of a pass on `rk` are there; None while they are not scheduled."""
+        vs = rk.vstages[c]
+        if op == "W":
+            return self.ended["B", mb, vs]
+        if op == "F":
+            return 0.0 if vs == 0 else self._arrival("F", mb, vs - 1, rk.rank)
+        f_end = self.ended["F", mb, vs]
+        grad = f_end if vs == self.nv - 1 else self._arrival("B", mb, vs + 1, rk.rank)
+        return None if grad is None else max(grad, f_end)
+
+    def _candidates(self, rk: _Rank) -> list[tuple[str, int, int, float]]:
+        """(op, chunk, mb, ready time) of the next F and B of each chunk whose inputs are scheduled."""
         out = []
-        for c, vs in enumerate(rk.vstages):
-            mb = rk.next["F", c]
-            if mb < self.m:
-                ready = 0.0 if vs == 0 else self._arrival("F", mb, vs - 1, rk.rank)
-                out.append(("F", c, mb, ready))
-            mb = rk.next["B", c]
-            if mb < rk.next["F", c]:
-                f_done = self.ended["F", mb, vs]
-                ready = f_done if vs == self.nv - 1 else self._arrival("B", mb, vs + 1, rk.rank)
-                out.append(("B", c, mb, None if ready is None else max(ready, f_done)))
+        for c in (0, 1):
+            for op, mb in (("F", rk.next["F", c]), ("B", rk.next["B", c])):
+                if mb < (self.m if op == "F" else rk.next["F", c]):
+                    ready = self._ready(rk, op, c, mb)
+                    if ready is not None:
+                        out.append((op, c, mb, ready))
         return out
 
     def _f_allowed(self, rk: _Rank, c: int) -> bool:
-        costs, (v0, v1) = self.costs, rk.vstages
+        m_f, (v0, v1) = self.costs.m_f, rk.vstages
         if c == 1:
-            return rk.memory + costs.m_f[v1] <= rk.limit + _EPS
-        # A chunk-0 F must leave room for a chunk-1 F, or the oldest microbatch could never turn back.
-        if rk.memory + costs.m_f[v0] + costs.m_f[v1] > rk.limit + _EPS:
+            return rk.memory + m_f[v1] <= rk.limit + _EPS
+        # A chunk-0 F leaves room for a chunk-1 F, so the oldest microbatch can always turn back: no deadlock.
+        if rk.memory + m_f[v0] + m_f[v1] > rk.limit + _EPS:
             return False
         if self.warmup is not None and rk.next["F", 1] == 0 and rk.next["F", 0] >= self.warmup[rk.rank]:
-            return False  # keep the rank free for the first microbatch on its way back up
-        cap = self.policy.f0_cap_offset
-        if cap is None:
-            return True
-        in_flight = rk.next["F", 0] - rk.next["B", 0]
-        return in_flight < 2 * self.p - 1 - rk.rank + cap
+            return False
+        if self.policy.f0_cap is not None:
+            in_flight = rk.next["F", 0] - rk.next["B", 0]
+            return in_flight < 2 * self.p - 1 - rk.rank + self.policy.f0_cap
+        return True
 
-    def _choose(self, rk: _Rank, t: float):
-        """The pass rank `rk` starts at time t, or None to wait; also the next time worth waking at."""
-        cands = [c for c in self._candidates(rk) if c[3] is not None]
-        later = [c[3] for c in cands if c[3] > t + _EPS]
-        blocked_f = False
-        ranked = []
-        for c in cands:
-            if c[0] == "F" and not self._f_allowed(rk, c[1]):
-                blocked_f = blocked_f or c[3] <= t + _EPS
-                continue
-            ranked.append(c)
+    def _priority(self, cand) -> tuple:
+        op, c, mb, _ = cand
+        tie = (mb, c) if self.policy.b_order == "older" else (1 - c, mb)
+        return self.policy.order.index(op + str(c) if op == "F" else op), tie
+
+    def _choose(self, rk: _Rank, t: float) -> tuple[tuple[str, int, int] | None, float | None]:
+        """The pass `rk` starts at time t (or None to stay idle) and, if idle, when to look again."""
+        if self.prefix is not None and len(rk.order) < len(self.prefix[rk.rank]):
+            seed = self.prefix[rk.rank][len(rk.order)]
+            ready = self._ready(rk, seed.op, seed.chunk, seed.mb)
+            if ready is not None and ready <= t + _EPS:
+                return (seed.op, seed.chunk, seed.mb), None
+            return None, ready
+        ranked, later, memory_bound = [], [], False
+        for cand in self._candidates(rk):
+            if cand[3] > t + _EPS:
+                later.append(cand)
+            if cand[0] == "F" and not self._f_allowed(rk, cand[1]):
+                memory_bound = memory_bound or cand[3] <= t + _EPS
+            else:
+                ranked.append(cand)
         ranked.sort(key=self._priority)
-        now = [c for c in ranked if c[3] <= t + _EPS]
-        w_chunks = [c for c in (0, 1) if rk.next["W", c] < rk.next["B", c]]
-        backlog = sum(rk.next["B", c] - rk.next["W", c] for c in (0, 1))
-        if w_chunks and self.policy.w_backlog is not None and backlog > self.policy.w_backlog:
-            c = min(w_chunks, key=lambda c: rk.next["W", c])
-            return ("W", c, rk.next["W", c]), None
-        if now:
-            pick = now[0]
-            # Hold back for a more urgent pass that arrives before the ready one would end.
-            dur = self._duration(rk, pick)
-            for c in ranked:
-                if c is pick:
+        ready = [c for c in ranked if c[3] <= t + _EPS]
+        wake = min((c[3] for c in later), default=None)
+        if ready:
+            pick = ready[0]
+            hold = self.policy.wait * self.times[pick[0]][rk.vstages[pick[1]]]
+            for cand in ranked:  # a preferred pass about to arrive beats the ready one
+                if cand is pick:
                     break
-                if c[3] - t <= self.policy.wait * dur + _EPS:
-                    return None, c[3]
+                if cand[3] - t <= hold + _EPS:
+                    return None, cand[3]
             return pick[:3], None
         w_chunks = [c for c in (0, 1) if rk.next["W", c] < rk.next["B", c]]
-        if w_chunks:
-            c = min(w_chunks, key=lambda c: rk.next["W", c])
-            t_w = self.costs.t_w[rk.vstages[c]]
-            blocking = later
-            if self.policy.w_fill == "slack":
-                # B of virtual stage 0 only unlocks its own W: a W may run over its arrival.
-                blocking = [c[3] for c in cands if c[3] > t + _EPS and not (c[0] == "B" and rk.vstages[c[1]] == 0)]
-            upcoming = min(blocking, default=None)
-            if (
-                self.policy.w_fill == "always"
-                or blocked_f
-                or upcoming is None
-                or t + t_w <= upcoming + _EPS
-            ):
-                return ("W", c, rk.next["W", c]), None
-        return None, min(later, default=None)
-
-    def _duration(self, rk: _Rank, cand) -> float:
-        op, c = cand[0], cand[1]
-        return {"F": self.costs.t_f, "B": self.costs.t_b}[op][rk.vstages[c]]
-
-    def _priority(self, cand):
-        op, c, mb, _ = cand
-        kind = op + (str(c) if op == "F" else "")
-        tie = {"chunk0": (c, mb), "chunk1": (1 - c, mb), "older": (mb, c)}[self.policy.b_order]
-        return self.policy.order.index(kind), tie
+        if not w_chunks:
+            return None, wake
+        c = min(w_chunks, key=lambda c: (rk.next["W", c], c))
+        blocking = later
+        if self.policy.w_fill == "slack":  # a B of virtual stage 0 only unlocks its own W
+            blocking = [x for x in later if not (x[0] == "B" and rk.vstages[x[1]] == 0)]
+        upcoming = min((x[3] for x in blocking), default=None)
+        fits = upcoming is None or t + self.costs.t_w[rk.vstages[c]] <= upcoming + _EPS
+        if self.policy.w_fill == "always" or memory_bound or fits:
+            return ("W", c, rk.next["W", c]), None
+        return None, wake
 
     def _start(self, rk: _Rank, op: str, c: int, mb: int, t: float) -> float:
         vs, costs = rk.vstages[c], self.costs
-        duration = {"F": costs.t_f, "B": costs.t_b, "W": costs.t_w}[op][vs]
         rk.memory += {"F": costs.m_f[vs], "B": costs.m_w[vs] - costs.m_f[vs], "W": -costs.m_w[vs]}[op]
         rk.order.append(Pass(op, mb, c))
         rk.next[op, c] += 1
-        rk.free_at = t + duration
+        rk.first_start = t if rk.first_start is None else rk.first_start
+        rk.free_at = t + self.times[op][vs]
         self.ended[op, mb, vs] = rk.free_at
         return rk.free_at
 
     def run(self) -> list[list[Pass]] | None:
-        """Each rank's pass order, or None if this policy gets stuck under the memory limit."""
-        total = 6 * self.p * self.m
-        done, t = 0, 0.0
-        events: list[float] = [0.0]
-        while done < total:
+        """Each rank's pass order, or None if this policy gets stuck (it cannot under the memory rules)."""
+        remaining = 6 * self.p * self.m
+        events = [0.0]
+        while remaining:
             if not events:
                 return None
             t = heapq.heappop(events)
             while events and events[0] <= t + _EPS:
                 heapq.heappop(events)
             progressed = True
-            while progressed:  # zero-length passes can make more passes ready at the same instant
+            while progressed:  # a zero-length pass can make another ready at the same instant
                 progressed = False
                 for rk in self.ranks:
-                    if rk.free_at > t + _EPS:
+                    if rk.free_at > t + _EPS or rk.first_start is not None and len(rk.order) == 6 * self.m:
                         continue
                     choice, wake = self._choose(rk, t)
                     if choice is None:
@@ -218,62 +225,120 @@ class _Greedy:
                             heapq.heappush(events, wake)
                         continue
                     end = self._start(rk, *choice, t)
-                    done += 1
+                    remaining -= 1
                     if end > t + _EPS:
                         heapq.heappush(events, end)
                     else:
                         progressed = True
         return [rk.order for rk in self.ranks]
 
+    def bubble_rate(self) -> float:
+        """The paper's bubble rate of the run's own timeline (simulating the order can only start passes earlier)."""
+        spans = [rk.free_at - rk.first_start for rk in self.ranks]
+        busy = max(sum(self.times[p.op][rk.vstages[p.chunk]] for p in rk.order) for rk in self.ranks)
+        return (max(spans) - busy) / max(spans) if max(spans) > 0 else 0.0
+
+
+def paper_v_order(stages: int, microbatches: int) -> list[list[Pass]]:
+    """The handcrafted ZB-V of the paper (its figure, for T_F = T_B = T_W), as each rank's pass order.
+
+    Rank r warms up with 2(p-r)-1 chunk-0 forwards, then r pairs (F chunk 1, F chunk 0), then p-r
+    triples (F, B, W) of chunk 1; the steady state repeats F B W of chunk 0 then of chunk 1; the drain
+    runs the remaining B passes (chunk 0 with its W), then the W passes left. With fewer than 2p-1
+    microbatches it is the order for 2p-1 with the missing microbatches left out.
+    """
+    n = max(microbatches, 2 * stages - 1)
+    ranks = []
+    for r in range(stages):
+        count = {(op, c): 0 for op in "FBW" for c in (0, 1)}
+        order: list[Pass] = []
+
+        def run(*kinds: str) -> None:
+            for kind in kinds:  # kind is op + chunk, e.g. "F1"
+                key = (kind[0], int(kind[1]))
+                order.append(Pass(kind[0], count[key], key[1]))
+                count[key] += 1
+
+        run(*["F0"] * (2 * (stages - r) - 1))
+        for _ in range(r):
+            run("F1", "F0")
+        for _ in range(stages - r):
+            run("F1", "B1", "W1")
+        while count["F", 0] < n or count["F", 1] < count["F", 0]:
+            run(*(["F0"] if count["F", 0] < n else []), "B0", "W0", "F1", "B1", "W1")
+        for _ in range(r):
+            run("B0", "B1")
+        for _ in range(stages - r):
+            run("B0", "W0")
+        run(*["W1"] * (count["B", 1] - count["W", 1]), *["W0"] * (count["B", 0] - count["W", 0]))
+        ranks.append([p for p in order if p.mb < microbatches])
+    return ranks
+
 
 def _default_limit(name: str, stages: int) -> float:
     return {"zb-v": stages, "v-half": (stages + 2) // 2, "v-min": (stages + 4) // 3}[name]
 
 
-def _plan(name, stages, microbatches, costs, memory_limit, memory_limit_absolute) -> Schedule:
-    if stages < 2:
-        raise ScheduleError(f"{name} needs at least 2 pipeline stages, got {stages}")
-    if microbatches < 1:
-        raise ScheduleError(f"{name} needs at least 1 microbatch, got {microbatches}")
-    nv = 2 * stages
-    costs = costs if costs is not None else Costs.make(nv, chunks=2)
-    if costs.num_virtual_stages != nv:
-        raise ScheduleError(f"{name} needs costs for {nv} virtual stages, got {costs.num_virtual_stages}")
+def _limits(name, stages, costs, memory_limit, memory_limit_absolute) -> list[float]:
     if memory_limit is None and memory_limit_absolute is None:
         memory_limit = _default_limit(name, stages)
     limits = rank_memory_limits(stages, 2, "v", costs, memory_limit, memory_limit_absolute)
-    for r in range(stages):
-        # A rank holds both chunks of a microbatch before its first B can free anything.
-        need = costs.m_f[r] + costs.m_f[nv - 1 - r]
-        if limits[r] < need - _EPS:
+    for r, limit in enumerate(limits):
+        # Before its first B can free anything, a rank holds both chunks of one microbatch.
+        need = costs.m_f[r] + costs.m_f[2 * stages - 1 - r]
+        if limit < need - _EPS:
             raise ScheduleError(
-                f"memory limit {limits[r]:.4g} on rank {r} is below one microbatch's activations ({need:.4g}), "
-                f"too small for any V schedule"
+                f"memory limit {limit:.4g} on rank {r} is below one microbatch's activations there "
+                f"({need:.4g}), too small for any V schedule"
             )
+    return limits
+
+
+def _plan(name, stages, microbatches, costs, memory_limit, memory_limit_absolute) -> Schedule:
+    if stages < 2 or microbatches < 1:
+        raise ScheduleError(f"{name} needs at least 2 stages and 1 microbatch, got {stages} and {microbatches}")
+    costs = costs if costs is not None else Costs.make(2 * stages, chunks=2)
+    if costs.num_virtual_stages != 2 * stages:
+        raise ScheduleError(f"{name} needs costs for {2 * stages} virtual stages, got {costs.num_virtual_stages}")
+    limits = _limits(name, stages, costs, memory_limit, memory_limit_absolute)
+    paper = Schedule(stages, 2, microbatches, "v", paper_v_order(stages, microbatches))
+    peaks = [max(profile, default=0.0) for profile in memory_profile(paper, costs)]
+    paper_fits = all(peak <= limit + _EPS for peak, limit in zip(peaks, limits))
+    # Greedy runs, and where the paper's V fits the memory, greedy drains after its warm-up and steady state.
+    seeds = [(policy, None) for policy in _POLICIES]
+    if paper_fits:
+        until_last_f = [r[: max(i for i, x in enumerate(r) if x.op == "F") + 1] for r in paper.ranks]
+        seeds += [(policy, until_last_f) for policy in _POLICIES[:2]]
+    runs = []
+    for policy, prefix in seeds:
+        greedy = _Greedy(stages, microbatches, costs, limits, policy, prefix)
+        order = greedy.run()
+        if order is not None:
+            how = {"greedy": asdict(policy)} | ({"seed": "paper V until each rank's last F"} if prefix else {})
+            runs.append((greedy.bubble_rate(), order, how))
+    # Rank the runs by their own timelines; simulate the three best and the paper's order.
+    runs.sort(key=lambda run: run[0])
+    candidates = [(order, how) for _, order, how in runs[:3]]
+    if paper_fits:
+        candidates.append((paper.ranks, {"paper_order": True}))
     best = None
-    for policy in _policies(stages):
-        ranks = _Greedy(stages, microbatches, costs, limits, policy).run()
-        if ranks is None:
-            continue
-        schedule = Schedule(stages, 2, microbatches, "v", ranks, name=name)
-        timeline = simulate(schedule, costs)
-        score = (round(timeline.bubble_rate, 12), round(timeline.makespan, 9), max(timeline.peak_memory))
+    for order, how in candidates:
+        timeline = simulate(Schedule(stages, 2, microbatches, "v", order), costs)
+        score = (round(timeline.bubble_rate, 12), round(timeline.makespan, 9))
         if best is None or score < best[0]:
-            best = (score, schedule, policy)
+            best = (score, order, how)
     if best is None:
         raise ScheduleError(f"{name} found no schedule under the memory limit; raise the limit")
-    _, schedule, policy = best
-    schedule.info["planner"] = {"policy": policy.__dict__, "memory_limit": memory_limit}
-    return schedule
+    return Schedule(stages, 2, microbatches, "v", best[1], name=name, info={"planner": best[2]})
 
 
 def zb_v(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
-    """ZB-V: zero bubble with T_F = T_B = T_W at 1F1B's peak activation memory p M_B (default limit)."""
+    """ZB-V: zero bubble with T_F = T_B = T_W at 1F1B's peak activation memory p M_B (the default limit)."""
     return _plan("zb-v", stages, microbatches, costs, memory_limit, memory_limit_absolute)
 
 
 def v_half(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
-    """V-Half: about half of 1F1B's activation memory, (p+2)//2 M_B by default; bubble about half of 1F1B's."""
+    """V-Half: about half of 1F1B's activation memory, (p+2)//2 M_B by default."""
     return _plan("v-half", stages, microbatches, costs, memory_limit, memory_limit_absolute)
 
 

@@ -1,0 +1,112 @@
+"""Measure the costs the planner needs on this rank: T_F, T_B, T_W per model chunk, T_comm, M_B and M_W.
+
+During the timer window `PassProfile` takes every pass time from the executor's `pass_timer`, the bytes
+each F saves for backward (`count_saved_activations`, tensors autograd keeps, parameters excluded), and
+the bytes each B leaves in the chunk's WeightGradStore for its W. `measure_p2p_seconds` times a
+ping-pong of one pipeline tensor between neighbouring ranks. Medians make the figures robust to the odd
+slow pass; `summary()` is plain data (lists of floats) so that it can be gathered to one rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class PassProfile:
+    """Samples of one rank: pass times per (op, chunk) and activation bytes per chunk."""
+
+    def __init__(self):
+        self.seconds: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.forward_bytes: dict[int, list[int]] = defaultdict(list)  # M_F: saved for backward by one F
+        self.wgrad_bytes: dict[int, list[int]] = defaultdict(list)  # M_W: kept by one B for its W
+        self.iterations = 0
+
+    def record_pass(self, op: str, chunk: int, seconds: float) -> None:
+        self.seconds[(op, chunk)].append(seconds)
+
+    def record_forward_bytes(self, chunk: int, nbytes: int) -> None:
+        self.forward_bytes[chunk].append(nbytes)
+
+    def record_wgrad_bytes(self, chunk: int, nbytes: int) -> None:
+        self.wgrad_bytes[chunk].append(nbytes)
+
+    def summary(self, chunks: int) -> dict:
+        """Per chunk medians: {"t_f", "t_b", "t_w", "t_bw", "m_f", "m_w"} lists indexed by chunk (None where
+        that pass never ran), plus how many iterations were measured."""
+        def median(samples):
+            return float(statistics.median(samples)) if samples else None
+
+        out = {key: [] for key in ("t_f", "t_b", "t_w", "t_bw", "m_f", "m_w")}
+        for chunk in range(chunks):
+            for op in ("F", "B", "W", "BW"):
+                out[f"t_{op.lower()}"].append(median(self.seconds.get((op, chunk))))
+            out["m_f"].append(median(self.forward_bytes.get(chunk)))
+            out["m_w"].append(median(self.wgrad_bytes.get(chunk)))
+        out["iterations"] = self.iterations
+        return out
+
+
+@contextlib.contextmanager
+def count_saved_activations(parameters, record):
+    """Count the bytes autograd saves for backward inside the block; `record(nbytes)` at the end.
+
+    Each storage counts once; parameters (saved by linear layers, but not activation memory) are skipped.
+    """
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in skip and pointer not in seen:
+            seen.add(pointer)
+            total += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield
+    record(total)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_p2p_seconds(pp_group, shape, dtype, device, repeats: int = 5) -> list[float]:
+    """One-way seconds of one pipeline tensor, from a ping-pong with each neighbouring rank.
+
+    Every rank of the pipeline group must call this. Pairs (0, 1), (1, 2), ... run one after another;
+    the left rank of each pair times `repeats` round trips after one warm-up and returns half the median
+    (a list with one figure per pair it led; empty on the last rank).
+    """
+    rank, size = pp_group.rank(), pp_group.size()
+    buffer = torch.zeros(shape, dtype=dtype, device=device)
+    figures = []
+    for left in range(size - 1):
+        if rank not in (left, left + 1):
+            continue
+        peer = dist.get_global_rank(pp_group, left + 1 if rank == left else left)
+        round_trips = []
+        for attempt in range(repeats + 1):
+            if rank == left:
+                _synchronize(device)
+                start = time.perf_counter()
+                dist.send(buffer, peer, group=pp_group)
+                dist.recv(buffer, peer, group=pp_group)
+                _synchronize(device)
+                if attempt:  # the first exchange sets up the connection
+                    round_trips.append(time.perf_counter() - start)
+            else:
+                dist.recv(buffer, peer, group=pp_group)
+                dist.send(buffer, peer, group=pp_group)
+        if round_trips:
+            figures.append(statistics.median(round_trips) / 2)
+    return figures

@@ -1,0 +1,280 @@
+"""Plan on one rank, run everywhere, measure, re-plan: the schedule behind a training run's executor.
+
+`ReplanningPipeline` is what megatron's `get_forward_backward_func()` returns (schedule_selection.py).
+It owns a `PipelineExecutor` whose `plan_for(m)` it answers:
+
+- The first call with m microbatches plans the schedule on global rank 0 (costs from the model shape,
+  or measured ones later) and broadcasts its JSON; every rank validates it before use. Planning on one
+  rank matters: the ILP is time-limited, so two ranks planning alone could disagree.
+- During training iterations [timers_start_iter, timers_end_iter) (megatron's 0-based counter) every rank
+  records pass times and activation bytes (profiling.py). At the end of iteration timers_end_iter - 1
+  each rank times a p2p ping-pong (T_comm), the measurements are gathered to rank 0, which builds
+  per-virtual-stage costs (the slowest replica of each stage) and re-plans; all ranks take the broadcast
+  schedule for their next call, so every rank switches at iteration timers_end_iter.
+Rank 0 prints one line when the training schedule is first planned and one after re-planning; with a
+dump directory it writes each schedule as JSON and PNG.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..schedules.costs import Costs
+from ..schedules.planners import PlanRequest, plan
+from ..schedules.schedule import Schedule, ScheduleError
+from ..schedules.validate import validate
+from .executor import PipelineExecutor
+from .profiling import PassProfile, count_saved_activations, measure_p2p_seconds
+
+COST_AWARE = ("zb-auto", "zb-v", "v-half", "v-min")  # planners whose order depends on the costs
+DEVICE_MEMORY_SHARE = 0.9  # of free device memory the automatic limit lets activations take
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    schedule: str
+    stages: int
+    chunks: int
+    memory_limit: float | None  # in-flight microbatches; None: automatic (device memory on GPU)
+    ilp_time_limit: float = 10.0
+    timers_start_iter: int = 0
+    timers_end_iter: int = 0  # equal to the start: no re-planning
+    dump_dir: str | None = None
+    initial_costs: Costs | None = None  # None: unit costs
+
+
+def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t_comm: float) -> Costs:
+    """Per-virtual-stage costs from every rank's `PassProfile.summary()` (with its "pp_rank").
+
+    A stage's figure is the largest over its data/tensor-parallel replicas: the slowest one sets the pace.
+    A fused BW counts as B (T_W = 0), so a 1F1B run predicts its own timeline; missing memory counts 0.
+    """
+    from ..schedules.schedule import stage_owner
+
+    fields = {name: [0.0] * (stages * chunks) for name in ("t_f", "t_b", "t_w", "m_f", "m_w")}
+    for vstage in range(stages * chunks):
+        rank, chunk = stage_owner(layout, stages, vstage)
+        replicas = [r for r in reports if r["pp_rank"] == rank]
+        if not replicas:
+            raise ScheduleError(f"no measurements arrived from pipeline rank {rank}")
+
+        def worst(name, replicas=replicas, chunk=chunk):
+            values = [r[name][chunk] for r in replicas if r[name][chunk] is not None]
+            return max(values) if values else None
+
+        bw = worst("t_bw")
+        fields["t_f"][vstage] = worst("t_f") or 0.0
+        fields["t_b"][vstage] = worst("t_b") if worst("t_b") is not None else (bw or 0.0)
+        fields["t_w"][vstage] = worst("t_w") or 0.0
+        fields["m_f"][vstage] = worst("m_f") or 0.0
+        fields["m_w"][vstage] = worst("m_w") or 0.0
+    return Costs(**{k: tuple(v) for k, v in fields.items()}, t_comm=t_comm, memory_unit="bytes")
+
+
+def describe_costs(costs: Costs) -> str:
+    def span(values, scale=1e3):
+        low, high = min(values) * scale, max(values) * scale
+        return f"{low:.3g}" if math.isclose(low, high, rel_tol=0.005) else f"{low:.3g}-{high:.3g}"
+
+    return (f"T_F {span(costs.t_f)} ms, T_B {span(costs.t_b)} ms, T_W {span(costs.t_w)} ms, "
+            f"T_comm {costs.t_comm * 1e3:.3g} ms, M_B {span(costs.m_f, 2**-20)} MiB per stage")
+
+
+class ReplanningPipeline:
+    """Callable like megatron's forward_backward functions; see the module docstring."""
+
+    def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], log: Callable[[str], None] = print):
+        self.settings = settings
+        self.current_iteration = current_iteration
+        self.log = log
+        self.executor = PipelineExecutor(self.plan_for)
+        self.costs = settings.initial_costs
+        self.cost_source = "estimated from the model shape" if self.costs is not None else "unit costs"
+        self.schedules: dict[int, Schedule] = {}
+        self.profile: PassProfile | None = None
+        self.replanned_at: int | None = None
+        self._training_call = False
+        self._dumped = 0
+
+    @property
+    def layout(self) -> str:
+        return {"zb-v": "v", "v-half": "v", "v-min": "v", "interleaved-1f1b": "interleaved"}.get(self.settings.schedule, "single")
+
+    def release(self) -> None:
+        self.executor.release()
+
+    # -- the forward-backward call ---------------------------------------------------------------------
+    def __call__(self, **kwargs):
+        s = self.settings
+        self._training_call = not kwargs.get("forward_only", False)
+        iteration = self.current_iteration() if self._training_call else None
+        timing = self._training_call and s.timers_start_iter <= iteration < s.timers_end_iter
+        if timing:
+            kwargs["forward_step_func"] = self._profiled_forward_step(kwargs["forward_step_func"], kwargs["model"])
+            self.executor.pass_timer = self._record_pass
+        try:
+            result = self.executor(**kwargs)
+        finally:
+            self.executor.pass_timer = None
+        if timing:
+            self.profile.iterations += 1
+            if iteration == s.timers_end_iter - 1:
+                self._replan(kwargs, iteration + 1)
+        return result
+
+    def _profiled_forward_step(self, forward_step_func, model):
+        chunks = model if isinstance(model, list) else [model]
+        index = {id(c): k for k, c in enumerate(chunks)}
+        parameters = {id(c): list(c.parameters()) for c in chunks}
+        if self.profile is None:
+            self.profile = PassProfile()
+        self._pending_bytes = [0] * len(chunks)
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator, model, *args, **kwargs):
+            record = functools.partial(self.profile.record_forward_bytes, index[id(model)])
+            with count_saved_activations(parameters[id(model)], record):
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+
+        return forward_step
+
+    def _record_pass(self, op: str, chunk: int, mb: int, seconds: float) -> None:
+        self.profile.record_pass(op, chunk, seconds)
+        held = self.executor.stores[chunk].pending_bytes if chunk < len(self.executor.stores) else 0
+        if op == "B":  # what this B left for its W
+            self.profile.record_wgrad_bytes(chunk, held - self._pending_bytes[chunk])
+        self._pending_bytes[chunk] = held
+
+    # -- planning on one rank --------------------------------------------------------------------------
+    def plan_for(self, num_microbatches: int) -> Schedule:
+        schedule = self.schedules.get(num_microbatches)
+        if schedule is None:
+            schedule = self._agree(num_microbatches, self._local_facts(), previous=None, tag="initial")
+            self.schedules[num_microbatches] = schedule
+        return schedule
+
+    def _local_facts(self, **extra) -> dict:
+        facts = dict(extra)
+        if torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            facts["free_bytes"] = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return facts
+
+    def _agree(self, m: int, facts: dict, previous: Schedule | None, tag: str) -> Schedule:
+        """Gather `facts` to rank 0, plan there, broadcast; every rank validates and returns the result."""
+        rank = dist.get_rank()
+        gathered = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(facts, gathered, dst=0)
+        payload = [self._plan_on_rank0(m, gathered, previous, tag) if rank == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        decision = payload[0]
+        if "error" in decision:
+            if previous is None:
+                raise ScheduleError(decision["error"])
+            return previous
+        schedule = Schedule.from_json(decision["schedule"])
+        costs = Costs.from_dict(decision["costs"])
+        validate(schedule, costs, decision["memory_limit"])  # the same check on every rank: all agree
+        self.costs = costs
+        return schedule
+
+    def _plan_on_rank0(self, m: int, gathered: list[dict], previous: Schedule | None, tag: str) -> dict:
+        s = self.settings
+        costs = self.costs if self.costs is not None else Costs.make(s.stages * s.chunks, chunks=s.chunks)
+        if gathered[0].get("reports"):
+            t_comm = [t for facts in gathered for t in facts["t_comm"]]
+            t_comm = sorted(t_comm)[len(t_comm) // 2] if t_comm else 0.0
+            costs = measured_costs([f["reports"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
+        limit = self._memory_limit(costs, gathered) if s.schedule in COST_AWARE else None
+        try:
+            if s.schedule in COST_AWARE or previous is None:
+                schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
+                                                        memory_limit=limit, ilp_time_limit=s.ilp_time_limit))
+            else:  # a fixed order: only its prediction changes with the costs
+                schedule = previous
+                schedule.info.setdefault("predicted", {})["bubble_rate"] = validate(previous, costs).bubble_rate
+        except ScheduleError as error:
+            message = f"zero-bubble: could not plan {s.schedule} for m={m} ({error})"
+            if previous is not None:
+                self.log(f"{message}; keeping the current schedule")
+            return {"error": message}
+        before = validate(previous, costs).bubble_rate if previous is not None else None
+        schedule.info["costs"] = costs.to_dict()
+        if self._training_call:
+            self._announce(schedule, limit, before, tag)
+            self._dump(schedule, costs, tag)
+        return {"schedule": schedule.to_json(), "costs": costs.to_dict(), "memory_limit": limit}
+
+    def _memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
+        """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
+        planner's default, else None (the planner's default: 2p for zb-auto, p for zb-v)."""
+        s = self.settings
+        if s.memory_limit is not None:
+            return s.memory_limit
+        free = [facts["free_bytes"] for facts in gathered if "free_bytes" in facts]
+        if not free or costs.memory_unit != "bytes":
+            return None
+        from ..schedules.schedule import stage_owner
+
+        per_rank = [0.0] * s.stages
+        for vstage in range(s.stages * s.chunks):
+            per_rank[stage_owner(self.layout, s.stages, vstage)[0]] += costs.m_f[vstage]
+        default = s.stages if s.schedule == "zb-v" else 2 * s.stages
+        fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(per_rank), 1.0))
+        return float(max(1, min(default, fits)))
+
+    def _announce(self, schedule: Schedule, limit, before, tag: str) -> None:
+        s, rate = self.settings, schedule.info["predicted"]["bubble_rate"]
+        limit_text = f", memory limit {limit:g} microbatches" if limit is not None else ""
+        where = f"p={s.stages}, m={schedule.microbatches}" + (f", {s.chunks} chunks per rank" if s.chunks > 1 else "")
+        if tag == "initial":
+            self.log(f"zero-bubble: running {s.schedule} ({where}{limit_text}) through the zero-bubble runtime; "
+                     f"predicted bubble rate {rate:.2%} (costs {self.cost_source})")
+        else:
+            self.log(f"zero-bubble: re-planned {s.schedule} ({where}{limit_text}) from costs measured in iterations "
+                     f"{s.timers_start_iter}-{s.timers_end_iter - 1} ({describe_costs(Costs.from_dict(schedule.info['costs']))}); "
+                     f"predicted bubble rate {rate:.2%} (the previous schedule: {before:.2%}); "
+                     f"running it from iteration {tag}")
+
+    def _dump(self, schedule: Schedule, costs: Costs, tag: str) -> None:
+        if self.settings.dump_dir is None:
+            return
+        os.makedirs(self.settings.dump_dir, exist_ok=True)
+        stem = os.path.join(self.settings.dump_dir, f"{self.settings.schedule}-m{schedule.microbatches}-"
+                            + ("initial" if tag == "initial" else f"iter{tag}"))
+        with open(stem + ".json", "w") as f:
+            f.write(schedule.to_json(indent=1))
+        try:
+            from ..schedules.draw import draw
+
+            draw(validate(schedule, costs), stem + ".png", time_unit="s")
+        except ImportError as error:  # matplotlib missing: the JSON is the contract, the picture a bonus
+            self.log(f"zero-bubble: no PNG of the schedule ({error})")
+
+    # -- the end of the timer window -------------------------------------------------------------------
+    def _replan(self, call_kwargs: dict, next_iteration: int) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import schedules as mcore
+        from megatron.core.utils import get_model_config
+
+        chunks = call_kwargs["model"] if isinstance(call_kwargs["model"], list) else [call_kwargs["model"]]
+        config = get_model_config(chunks[0])
+        pg = call_kwargs.get("pg_collection") or mcore._build_default_pg_collection()
+        shape = mcore.get_tensor_shapes(
+            seq_length=call_kwargs["seq_length"], micro_batch_size=call_kwargs["micro_batch_size"],
+            decoder_seq_length=call_kwargs.get("decoder_seq_length"), config=config, tp_group=pg.tp, cp_group=pg.cp,
+        )[0]
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, device)
+        report = dict(self.profile.summary(len(chunks)), pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+        m = call_kwargs["num_microbatches"]
+        previous = self.plan_for(m)
+        self.schedules[m] = self._agree(m, self._local_facts(reports=report, t_comm=t_comm), previous, str(next_iteration))
+        self.replanned_at = next_iteration
+        self.profile = None

@@ -1,0 +1,331 @@
+"""The zero-bubble command-line flags of `pretrain_gpt.py`, and the start-up checks that refuse what cannot work.
+
+Flags are added through megatron's extra-args hook (`add_arguments`), so `--help` lists them in the group
+"zero bubble". `parse_and_validate()` parses the command line once without megatron's validation, refuses
+bad combinations with one line naming the flag and the fix (`StartupRefusal`), then runs megatron's own
+`parse_and_validate_args`. Without any zero-bubble flag the run is megatron's own.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+from ..schedules.planners import PlanRequest, plan
+from ..schedules.schedule import ScheduleError
+
+PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zb-v")
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zb-v")
+COST_AWARE_SCHEDULES = ("zb-auto", "zb-v")  # re-planned from measured costs; the others are fixed orders
+TWO_CHUNK_SCHEDULES = ("interleaved-1f1b", "zb-v")
+EXIT_REFUSED = 2
+
+
+class StartupRefusal(Exception):
+    """A flag combination that cannot work; the message is one line naming the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class ZeroBubbleOptions:
+    """What the zero-bubble flags ask for, after the start-up checks."""
+
+    schedule: str | None  # None: megatron's own schedule, untouched
+    through_runtime: bool  # run the schedule with the zero-bubble PipelineExecutor
+    memory_limit: float | None  # in-flight microbatches (p = ZB-1p, 2p = ZB-2p); None: auto
+    timers_start_iter: int
+    timers_end_iter: int
+    dump_dir: str | None
+    ilp_time_limit: float
+
+    @property
+    def replans(self) -> bool:
+        return self.through_runtime and self.timers_end_iter > self.timers_start_iter
+
+
+# ---------------------------------------------------------------- flags
+
+
+def _max_pending_backward(text: str):
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of microbatches or 'auto', got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron's `extra_args_provider`: the zero-bubble flags and the entry script's own options."""
+    group = parser.add_argument_group("zero bubble", "Zero-bubble pipeline schedules (Qi et al., ICLR 2024).")
+    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
+                       help="Pipeline schedule. 1f1b and interleaved-1f1b are megatron's own unless "
+                       "--enable-zb-runtime is given; zb-h1 / zb-h2 are the paper's handcrafted schedules "
+                       "(1F1B's memory / twice it), zb-auto its automatic planner, zb-v the V-shape schedule "
+                       "(two model chunks per rank). Default: megatron's schedule.")
+    group.add_argument("--enable-zero-bubble", action="store_true",
+                       help="Same as --pipeline-schedule zb-auto: the automatic zero-bubble planner under the "
+                       "memory limit of --zero-bubble-max-pending-backward, re-planned from measured costs.")
+    group.add_argument("--zero-bubble-v-schedule", action="store_true",
+                       help="Same as --pipeline-schedule zb-v: ZB-V, 2p virtual stages placed as a V "
+                       "(needs --num-layers divisible by 2 x --pipeline-model-parallel-size).")
+    group.add_argument("--enable-zb-runtime", action="store_true",
+                       help="Run the chosen schedule, baselines included, through the zero-bubble runtime "
+                       "(without --pipeline-schedule: 1f1b, or interleaved-1f1b when a virtual pipeline "
+                       "size is set). Zero-bubble schedules always use it.")
+    group.add_argument("--zero-bubble-max-pending-backward", type=_max_pending_backward, default=None,
+                       metavar="N|auto",
+                       help="Activation-memory limit of the planner in microbatches held per rank (p = 1F1B's "
+                       "peak, i.e. ZB-1p; 2p = ZB-2p). auto (default): what the device memory holds, at most "
+                       "2p, on GPU; 2p for zb-auto and p for zb-v on CPU.")
+    group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=100,
+                       help="First iteration (counted from 0 like megatron's iteration counter) whose pass "
+                       "times and activation sizes are measured for re-planning.")
+    group.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=110,
+                       help="Iteration at which the measured costs are gathered, the schedule re-planned on "
+                       "one rank and broadcast; every rank runs the new schedule from this iteration on. "
+                       "Equal to the start: no re-planning.")
+    group.add_argument("--zero-bubble-ilp-time-limit", type=float, default=10.0,
+                       help="Seconds the automatic planner's ILP refinement may take (0 skips it).")
+    group.add_argument("--zero-bubble-dump-schedule", metavar="DIR", default=None,
+                       help="Write the schedule in use as JSON and PNG into DIR (rank 0), again after "
+                       "re-planning.")
+    group.add_argument("--allow-padding-num-layers", action="store_true",
+                       help="Accepted for compatibility, but layer padding is not implemented: ZB-V with "
+                       "--num-layers not divisible by 2 x --pipeline-model-parallel-size is refused with a "
+                       "message naming the nearest valid layer counts.")
+    group.add_argument("--enable-optimizer-post-validation", action="store_true",
+                       help="Not available yet (lands with its own issue); refused at start-up.")
+    entry = parser.add_argument_group("pretrain_gpt.py")
+    entry.add_argument("--init-weights-by-global-name", action="store_true",
+                       help="Initialise every weight from a generator seeded by (--seed, its global name), "
+                       "so that any pipeline/tensor layout of the model starts from the same weights.")
+    if not _cuda_available():
+        # megatron's defaults assume CUDA; on CPU these are the only settings that work.
+        parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
+                            persist_layer_norm=False, transformer_impl="local")
+    return parser
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- checks
+
+
+def chosen_schedule(args) -> str | None:
+    """The schedule the flags ask for, or None for megatron's own; refuses conflicting flags."""
+    asked = []
+    if args.pipeline_schedule is not None:
+        asked.append(("--pipeline-schedule " + args.pipeline_schedule, args.pipeline_schedule))
+    if args.enable_zero_bubble:
+        asked.append(("--enable-zero-bubble", "zb-auto"))
+    if args.zero_bubble_v_schedule:
+        asked.append(("--zero-bubble-v-schedule", "zb-v"))
+    names = {name for _, name in asked}
+    if len(names) > 1:
+        flags = " and ".join(flag for flag, _ in asked)
+        raise StartupRefusal(f"{flags} ask for different pipeline schedules; keep one of them")
+    if names:
+        return names.pop()
+    if args.enable_zb_runtime:
+        return "interleaved-1f1b" if _virtual_stages(args) else "1f1b"
+    return None
+
+
+def _virtual_stages(args) -> int | None:
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.num_layers:
+        per_rank = args.num_layers // max(1, args.pipeline_model_parallel_size)
+        return per_rank // args.num_layers_per_virtual_pipeline_stage
+    return None
+
+
+def microbatches(args) -> int:
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    data_parallel = max(1, args.world_size // model_parallel)
+    global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
+    return max(1, global_batch // (args.micro_batch_size * data_parallel))
+
+
+def check_data_paths(args) -> None:
+    """Megatron's indexed datasets need PREFIX.bin and PREFIX.idx for every --data-path prefix."""
+    paths = list(args.data_path or [])
+    for flag in ("train_data_path", "valid_data_path", "test_data_path"):
+        paths += list(getattr(args, flag, None) or [])
+    for prefix in paths:
+        if _is_number(prefix):
+            continue  # a blend weight
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
+        if missing:
+            raise StartupRefusal(
+                f"--data-path: {', '.join(missing)} does not exist; pass the prefix of a megatron indexed "
+                f"dataset (PREFIX.bin and PREFIX.idx), or drop --data-path for mock data"
+            )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def check_without_zero_bubble(args) -> None:
+    """Checks that apply to every run of the entry script (its own data, the CPU backend)."""
+    check_data_paths(args)
+    if _cuda_available():
+        return
+    if args.distributed_backend != "gloo":
+        raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
+    if args.use_distributed_optimizer:
+        raise StartupRefusal(
+            "--use-distributed-optimizer does not work on CPU (megatron's distributed optimizer expects CUDA "
+            "tensors); drop the flag for CPU runs"
+        )
+    if args.transformer_impl == "transformer_engine":
+        raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+
+
+def check_zero_bubble(args, schedule: str) -> ZeroBubbleOptions:
+    """Refuse flag combinations the chosen schedule cannot run with; the options otherwise."""
+    flag = {"zb-auto": "--enable-zero-bubble", "zb-v": "--zero-bubble-v-schedule"}.get(
+        schedule, f"--pipeline-schedule {schedule}")
+    p = args.pipeline_model_parallel_size
+    if p < 2:
+        raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
+    if args.enable_optimizer_post_validation:
+        raise StartupRefusal("--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop it")
+    vpp = _virtual_stages(args)
+    if schedule == "zb-v":
+        _check_v_layout(args, vpp)
+    elif schedule == "interleaved-1f1b":
+        if vpp is not None and vpp < 2:
+            raise StartupRefusal(f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
+    elif vpp not in (None, 1):
+        raise StartupRefusal(
+            f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank / "
+            f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule interleaved-1f1b / zb-v)"
+        )
+    through_runtime = schedule in SPLIT_BACKWARD_SCHEDULES or args.enable_zb_runtime
+    if through_runtime:
+        _check_runtime(args, flag, split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+    limit = args.zero_bubble_max_pending_backward
+    if limit is not None and limit < 1:
+        raise StartupRefusal(
+            f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
+        )
+    if args.zero_bubble_pipeline_timers_end_iter < args.zero_bubble_pipeline_timers_start_iter:
+        raise StartupRefusal("--zero-bubble-pipeline-timers-end-iter is before --zero-bubble-pipeline-timers-start-iter; swap them")
+    options = ZeroBubbleOptions(
+        schedule=schedule, through_runtime=through_runtime, memory_limit=limit,
+        timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
+        timers_end_iter=args.zero_bubble_pipeline_timers_end_iter,
+        dump_dir=args.zero_bubble_dump_schedule, ilp_time_limit=args.zero_bubble_ilp_time_limit,
+    )
+    if through_runtime:
+        _try_planning(args, options, flag)
+    return options
+
+
+def _check_v_layout(args, vpp) -> None:
+    p, layers = args.pipeline_model_parallel_size, args.num_layers
+    if vpp not in (None, 2):
+        raise StartupRefusal("--zero-bubble-v-schedule places exactly two model chunks per rank; drop the virtual pipeline flags")
+    for name in ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                 "decoder_last_pipeline_num_layers", "mtp_num_layers"):
+        if getattr(args, name, None):
+            raise StartupRefusal(f"--zero-bubble-v-schedule splits layers evenly; drop --{name.replace('_', '-')}")
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if getattr(args, name, False):
+            raise StartupRefusal(f"--zero-bubble-v-schedule splits layers evenly; drop --{name.replace('_', '-')}")
+    if layers is None or layers % (2 * p):
+        lower, upper = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
+        padding = " (--allow-padding-num-layers does not pad: padding is not implemented)" if args.allow_padding_num_layers else ""
+        raise StartupRefusal(
+            f"--zero-bubble-v-schedule cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
+            f"is not a multiple of {2 * p}; use --num-layers {lower or upper} or {upper}{padding}"
+        )
+
+
+def _check_runtime(args, flag: str, split_backward: bool) -> None:
+    if split_backward and args.overlap_grad_reduce:
+        raise StartupRefusal(
+            f"--overlap-grad-reduce does not work with {flag} yet (deferred weight gradients finish after "
+            f"megatron's per-parameter hooks); drop --overlap-grad-reduce"
+        )
+    for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
+        if getattr(args, name, False):
+            raise StartupRefusal(
+                f"--{name.replace('_', '-')} gives variable sequence lengths, which the zero-bubble runtime "
+                f"does not support ({flag} needs fixed pipeline tensor shapes); drop one of them"
+            )
+
+
+def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
+    """Plan once with unit costs (no ILP) so that an impossible memory limit is refused before training."""
+    chunks = 2 if options.schedule in TWO_CHUNK_SCHEDULES and not _virtual_stages(args) else _virtual_stages(args)
+    try:
+        plan(options.schedule, PlanRequest(
+            stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
+            memory_limit=options.memory_limit, ilp_time_limit=0,
+        ))
+    except ScheduleError as error:
+        raise StartupRefusal(f"{flag}: {error}") from None
+
+
+def megatron_defaults(options: ZeroBubbleOptions | None) -> dict:
+    """Values handed to megatron as `args_defaults` (used only where the command line leaves them unset)."""
+    if options is not None and options.schedule in TWO_CHUNK_SCHEDULES:
+        return {"num_virtual_stages_per_pipeline_rank": 2}
+    return {}
+
+
+# ---------------------------------------------------------------- entry
+
+
+def refuse(message: str) -> None:
+    """Print one line (once, on global rank 0) and stop before any training."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_REFUSED)
+
+
+def check(args) -> ZeroBubbleOptions | None:
+    """All start-up checks on parsed (not yet megatron-validated) arguments; None without zero bubble."""
+    check_without_zero_bubble(args)
+    schedule = chosen_schedule(args)
+    if schedule is None:
+        for name in ("enable_optimizer_post_validation",):
+            if getattr(args, name):
+                raise StartupRefusal("--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop it")
+        return None
+    return check_zero_bubble(args, schedule)
+
+
+def parse_and_validate():
+    """megatron's parse_and_validate_args with the zero-bubble flags; refuses bad input with one line.
+
+    Returns megatron's args with `args.zero_bubble` (ZeroBubbleOptions or None) attached.
+    """
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    try:
+        options = check(parse_args(add_arguments))
+    except StartupRefusal as refusal:
+        refuse(str(refusal))
+    args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options))
+    args.zero_bubble = options
+    if args.padded_vocab_size is None:  # megatron's FLOP count reads it; the model needs it
+        from megatron.training import get_tokenizer
+        from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+        args.padded_vocab_size = calculate_padded_vocab_size(
+            get_tokenizer().vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+    return args

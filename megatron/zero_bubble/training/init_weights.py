@@ -1,0 +1,61 @@
+"""Initialise a model chunk's weights by global parameter name, independently of the parallel layout.
+
+Megatron draws initial weights from generators seeded per pipeline/tensor rank, so the same `--seed`
+gives different models under PP=1, PP=4 or ZB-V. Here every parameter is filled from a generator seeded
+by (seed, global name), where transformer layers are numbered over the whole model, and the full tensor
+is sliced for this tensor-parallel rank: any layout of the same model starts from identical weights.
+"""
+from __future__ import annotations
+
+import re
+import zlib
+
+import torch
+
+_LAYER_NAME = re.compile(r"(.*\bdecoder\.layers\.)(\d+)\.(.*)")
+INIT_STD = 0.02  # megatron's default --init-method-std
+
+
+def unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def global_parameter_names(chunk) -> dict[str, torch.nn.Parameter]:
+    """{global name: parameter} of one model chunk; decoder layers are numbered by their depth in the model."""
+    model = unwrap(chunk)
+    named = {}
+    for name, param in model.named_parameters():
+        match = _LAYER_NAME.match(name)
+        if match:
+            layer = model.decoder.layers[int(match.group(2))]
+            name = f"{match.group(1)}{layer.layer_number - 1}.{match.group(3)}"
+        elif name == "output_layer.weight" and getattr(param, "shared_embedding", False):
+            name = "embedding.word_embeddings.weight"  # the last stage's copy of a tied embedding
+        named[name] = param
+    return named
+
+
+def initial_value(name: str, full_shape: list[int], seed: int, std: float = INIT_STD) -> torch.Tensor:
+    """The full (unsharded) initial tensor of a parameter: normal(0, std) weights, zero biases,
+    layer-norm scales of one."""
+    if name.endswith("bias"):
+        return torch.zeros(full_shape)
+    if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or name.endswith("layer_norm_weight"):
+        return torch.ones(full_shape)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    return std * torch.randn(full_shape, generator=generator, dtype=torch.float32)
+
+
+def init_weights_by_global_name(chunk, seed: int, tp_rank: int, tp_size: int, std: float = INIT_STD) -> None:
+    """Overwrite every parameter of `chunk` with `initial_value` of its global name, sliced for TP."""
+    with torch.no_grad():
+        for name, param in global_parameter_names(chunk).items():
+            dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            full_shape = list(param.shape)
+            if dim is not None:
+                full_shape[dim] *= tp_size
+            full = initial_value(name, full_shape, seed, std)
+            local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+            param.copy_(local.to(param.dtype))

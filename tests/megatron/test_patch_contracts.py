@@ -1,0 +1,61 @@
+"""Patch contracts in one process: version checks, install/uninstall restores, clear errors for bad runs."""
+import pytest
+
+from megatron.zero_bubble.patches import imports
+
+imports.install()  # megatron.core imports without triton from here on
+
+from megatron.zero_bubble.patches import schedule_selection  # noqa: E402
+from megatron.zero_bubble.patches._patching import PatchError, Patcher, check_megatron_core_version  # noqa: E402
+from megatron.zero_bubble.runtime.executor import PipelineExecutor  # noqa: E402
+from megatron.zero_bubble.schedules import ScheduleError  # noqa: E402
+from megatron.zero_bubble.schedules.baselines import one_f_one_b  # noqa: E402
+
+
+@pytest.mark.parametrize("version", ["0.18.1", "0.20.0", "1.0.0", "garbage"])
+def test_unsupported_megatron_core_version_is_refused_naming_it(version):
+    with pytest.raises(PatchError, match=f"megatron-core {version} is installed.*0.19"):
+        check_megatron_core_version(version)
+
+
+def test_installed_megatron_core_is_supported():
+    assert check_megatron_core_version().startswith("0.19.")
+
+
+def test_patching_a_missing_target_names_the_installed_version():
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    with pytest.raises(PatchError, match=r"schedules\.no_such_function does not exist in megatron-core 0\.19"):
+        Patcher("probe").replace(schedules, "no_such_function", None)
+
+
+def test_schedule_selection_routes_pipelined_runs_and_uninstall_restores_every_binding():
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    before = (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func)
+    executor = PipelineExecutor(lambda m: one_f_one_b(2, m))
+    schedule_selection.install(executor)
+    schedule_selection.install(executor)  # idempotent
+    try:
+        assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is executor
+        assert pipeline_parallel.get_forward_backward_func(pp_size=4, vp_size=2) is executor
+        assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
+        assert schedule_selection.installed_executor() is executor
+    finally:
+        schedule_selection.uninstall()
+    assert (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func) == before
+    assert schedule_selection.installed_executor() is None
+
+
+@pytest.mark.parametrize(
+    "pp,chunks,m,message",
+    [
+        (4, 1, 8, "is for 2 pipeline stages but the run has --pipeline-model-parallel-size 4"),
+        (2, 1, 6, "is for 8 microbatches but the run has 6"),
+        (2, 2, 8, "places 1 model chunk\\(s\\) per rank but the model has 2"),
+    ],
+)
+def test_a_schedule_that_disagrees_with_the_run_is_refused_before_any_pass(pp, chunks, m, message):
+    with pytest.raises(ScheduleError, match=message):
+        PipelineExecutor.check_run_matches(one_f_one_b(2, 8), pp, chunks, m)

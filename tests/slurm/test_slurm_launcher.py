@@ -1,0 +1,200 @@
+"""The SLURM launcher: its presets and dry runs (fast), and real jobs on a local two-node SLURM cluster.
+
+The cluster tests start slurmctld + two slurmd with scripts/slurm/local_cluster.sh (installing Debian's
+SLURM and munge first when missing), submit scripts/slurm/pretrain_gpt.sbatch with sbatch, and read the
+job's output. They skip, saying why, where the machine cannot run SLURM (not root, no apt, daemons fail).
+"""
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
+CLUSTER_SCRIPT = REPO / "scripts" / "slurm" / "local_cluster.sh"
+TOY_SCRIPT = Path(__file__).resolve().parent / "toy_pipeline.py"
+FINAL_JOB_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+# The paper's models: (layers, hidden, heads, micro batch, p, smallest m); seq 1024 for all.
+PAPER_PRESETS = {
+    "1.5b": (22, 2304, 24, 6, 8, 24),
+    "6.2b": (30, 4096, 32, 3, 8, 24),
+    "14.6b": (46, 5120, 40, 1, 16, 48),
+    "28.3b": (62, 6144, 48, 1, 32, 96),
+}
+
+
+def clean_environment(**knobs: str) -> dict:
+    """The test's environment without SLURM job variables or launcher knobs from the outside."""
+    launcher_knobs = {"MODEL", "TP", "PP", "VPP", "CPU", "NNODES", "NPROC_PER_NODE", "GPUS_PER_NODE",
+                      "SCHEDULE", "EXTRA_ARGS", "GLOBAL_BATCH", "MICRO_BATCH", "NUM_MICROBATCHES",
+                      "DATA_PATH", "CHECKPOINT_DIR", "TENSORBOARD_DIR", "LOG_DIR", "TRAIN_ITERS",
+                      "TRAIN_SCRIPT", "TORCHRUN", "PRECISION", "DRY_RUN", "REPO_DIR", "MASTER_ADDR"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in launcher_knobs}
+    env.update(knobs)
+    return env
+
+
+def dry_run(*args: str, **knobs: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SBATCH_SCRIPT), *args], env=clean_environment(DRY_RUN="1", **knobs),
+                          capture_output=True, text=True, timeout=30)
+
+
+def torchrun_command(output: str) -> list:
+    line = next(l for l in output.splitlines() if l.startswith("torchrun command: "))
+    return shlex.split(line[len("torchrun command: "):])
+
+
+def flag_values(command: list) -> dict:
+    """Last value of every `--flag value` (later flags win, as with argparse); bare flags map to True."""
+    values = {}
+    for i, word in enumerate(command):
+        if word.startswith("--"):
+            nxt = command[i + 1] if i + 1 < len(command) else None
+            values[word] = True if nxt is None or nxt.startswith("--") else nxt
+    return values
+
+
+@pytest.mark.parametrize("model", sorted(PAPER_PRESETS))
+def test_paper_presets_give_the_papers_model_and_pipeline_sizes(model):
+    layers, hidden, heads, micro, p, m = PAPER_PRESETS[model]
+    result = dry_run(MODEL=model, NNODES=str(p // 8))  # 8 GPUs per node, pipeline only: DP = 1
+    assert result.returncode == 0, result.stderr
+    flags = flag_values(torchrun_command(result.stdout))
+    assert flags["--num-layers"] == str(layers)
+    assert flags["--hidden-size"] == str(hidden)
+    assert flags["--num-attention-heads"] == str(heads)
+    assert flags["--seq-length"] == flags["--max-position-embeddings"] == "1024"
+    assert flags["--micro-batch-size"] == str(micro)
+    assert flags["--pipeline-model-parallel-size"] == str(p)
+    assert flags["--tensor-model-parallel-size"] == "1"
+    assert flags["--global-batch-size"] == str(micro * m)
+    assert flags["--nnodes"] == str(p // 8) and flags["--nproc-per-node"] == "8"
+    # layers + embedding + loss divide evenly into p stages only when both count as layers
+    assert flags["--account-for-embedding-in-pipeline-split"] is True
+    assert flags["--account-for-loss-in-pipeline-split"] is True
+    assert (layers + 2) % p == 0
+    assert flags["--distributed-backend"] == "nccl" and flags["--bf16"] is True
+
+
+def test_dry_run_combines_tensor_pipeline_and_data_parallelism():
+    result = dry_run(MODEL="6.2b", NNODES="4", TP="2", PP="4", SCHEDULE="zb-h2", NUM_MICROBATCHES="32")
+    assert result.returncode == 0, result.stderr
+    flags = flag_values(torchrun_command(result.stdout))
+    assert flags["--tensor-model-parallel-size"] == "2"
+    assert flags["--pipeline-model-parallel-size"] == "4"
+    assert flags["--pipeline-schedule"] == "zb-h2"
+    assert flags["--global-batch-size"] == str(3 * 32 * 4)  # micro batch x m x DP (32 GPUs / 8)
+    assert "world 32 = TP 2 x PP 4 x DP 4" in result.stdout
+    assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "localhost:29500"
+
+
+def test_dry_run_cpu_mode_uses_gloo_and_the_cpu_flags_and_passes_extra_args_last():
+    result = dry_run("--seed", "7", "--lr", "5e-3", MODEL="tiny", CPU="1", NNODES="2",
+                     NPROC_PER_NODE="2", PP="4", EXTRA_ARGS="--seed 3 --log-interval 2")
+    assert result.returncode == 0, result.stderr
+    command = torchrun_command(result.stdout)
+    flags = flag_values(command)
+    assert flags["--distributed-backend"] == "gloo"
+    assert flags["--nproc-per-node"] == "2" and flags["--nnodes"] == "2"
+    assert flags["--pipeline-model-parallel-size"] == "4"
+    for cpu_flag in ("--transformer-impl", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"):
+        assert cpu_flag in flags
+    assert "--bf16" not in flags and "--account-for-embedding-in-pipeline-split" not in flags
+    assert command[-4:] == ["--seed", "7", "--lr", "5e-3"]  # positional arguments come last
+    assert flags["--seed"] == "7" and flags["--log-interval"] == "2"
+
+
+def test_dry_run_rejects_a_world_size_that_tp_times_pp_does_not_divide():
+    result = dry_run(MODEL="1.5b", NNODES="1", GPUS_PER_NODE="8", TP="3")
+    assert result.returncode != 0
+    assert "not a multiple of TP x PP = 3 x 8" in result.stderr
+
+
+def test_dry_run_rejects_an_unknown_model():
+    result = dry_run(MODEL="175b")
+    assert result.returncode != 0 and "MODEL must be one of" in result.stderr
+
+
+# ---------------------------------------------------------------- a real two-node cluster
+
+
+def cannot_run_slurm() -> str:
+    if os.name != "posix" or os.geteuid() != 0:
+        return "needs root to run SLURM daemons and network namespaces"
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        return "SLURM is not installed and there is no apt-get to install it"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """Yields the environment for sbatch/scontrol; stops the cluster afterwards, whatever happened."""
+    reason = cannot_run_slurm()
+    if reason:
+        pytest.skip(reason)
+    started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True,
+                             timeout=300)
+    try:
+        if started.returncode != 0:
+            pytest.skip(f"local SLURM cluster did not start: {started.stderr.strip()[-800:]}")
+        conf = re.search(r"SLURM_CONF=(\S+)", started.stderr).group(1)
+        yield {"SLURM_CONF": conf, "mode": "netns" if "netns mode" in started.stderr else "single-host"}
+    finally:
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
+
+
+def job_state(job_id: str, env: dict) -> dict:
+    line = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True,
+                          text=True, timeout=10).stdout
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+
+def run_job(cluster: dict, tmp_path: Path, timeout_s: float, **knobs: str) -> tuple:
+    """Submits the launcher, polls every 0.5 s until the job ends; returns (state, exit code, output)."""
+    env = clean_environment(SLURM_CONF=cluster["SLURM_CONF"], CPU="1", MODEL="tiny",
+                            LOG_DIR=str(tmp_path / "logs"),
+                            TORCHRUN=f"{sys.executable} -m torch.distributed.run", **knobs)
+    output = tmp_path / "job.out"
+    job_id = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", f"--output={output}", "--time=5", str(SBATCH_SCRIPT)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    deadline = time.monotonic() + timeout_s
+    state = job_state(job_id, env)
+    while state.get("JobState") not in FINAL_JOB_STATES:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env, timeout=10)
+            pytest.fail(f"job {job_id} still {state.get('JobState')} after {timeout_s} s:\n"
+                        + (output.read_text() if output.exists() else "(no output)"))
+        time.sleep(0.5)
+        state = job_state(job_id, env)
+    return state["JobState"], state.get("ExitCode"), output.read_text() if output.exists() else ""
+
+
+def test_launcher_rendezvous_spans_both_nodes(slurm_cluster, tmp_path):
+    state, exit_code, output = run_job(slurm_cluster, tmp_path, 60, PP="2", TRAIN_ITERS="3",
+                                       TRAIN_SCRIPT=str(TOY_SCRIPT))
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output
+    losses = re.findall(r"iteration (\d+)/3 \| lm loss: (\S+) \| hosts: (\S+)", output)
+    assert [int(i) for i, _, _ in losses] == [1, 2, 3], output
+    if slurm_cluster["mode"] == "netns":  # each node has its own hostname only with namespaces
+        assert {hosts for _, _, hosts in losses} == {"mzb-n1,mzb-n2"}
+
+
+def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(slurm_cluster, tmp_path):
+    if not (REPO / "pretrain_gpt.py").exists():
+        pytest.skip("pretrain_gpt.py is not there yet")
+    state, exit_code, output = run_job(slurm_cluster, tmp_path, 100, PP="2", TRAIN_ITERS="5",
+                                       SCHEDULE="zb-h1", LR="1e-3")
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output
+    iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", output)
+    assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output
+    assert all(float(loss) > 0 for _, loss in iterations)
