@@ -161,9 +161,9 @@ def forward_step(data_iterator, model):
 
 
 def main():
-    args = arguments.parse_and_validate()  # megatron's parsing + the zero-bubble checks (one line on refusal)
+    args, options = arguments.parse_and_validate()  # megatron's parsing + the zero-bubble checks
     cfg = pretrain_cfg_container_from_args(args)
-    with setup.zero_bubble_session(args):
+    with setup.zero_bubble_session(args, options):
         pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
                  model_provider=model_provider)
 

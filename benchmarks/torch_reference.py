@@ -47,14 +47,13 @@ def torch_zbv_schedule(stages: int, microbatches: int) -> Schedule:
 
 
 def compare_zbv_with_torch(stages: int, microbatches: int, costs: Costs | None = None) -> dict:
-    """Simulate torch's ZB-V and ours on the same costs, ours limited to torch's peak memory per rank.
+    """Simulate torch's ZB-V and ours on the same costs and memory: our limit is torch's highest peak.
 
-    Returns bubble rates (paper's measure and from time 0), makespans and peak memories of both, in the
-    costs' memory unit.
+    The limit is in M_B of each rank (p for m >= 2p-1, as 1F1B). Returns both bubble rates (the paper's
+    measure and from time 0), makespans and highest peak memories in the costs' unit.
     """
     costs = costs or Costs.make(2 * stages, chunks=2)
     theirs = simulate(torch_zbv_schedule(stages, microbatches), costs)
-    # Same memory: our limit is torch's highest per-rank peak, as a multiple of each rank's M_B.
     per_mb = rank_memory_limits(stages, 2, "v", costs, microbatches=1.0)
     limit = max(peak / mb for peak, mb in zip(theirs.peak_memory, per_mb))
     ours = simulate(zb_v(stages, microbatches, costs, memory_limit=limit), costs)

@@ -12,10 +12,9 @@ DEFAULT_LIMIT = {"zb-v": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min":
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
-def chunk_costs(p, t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0, **kw):
-    """Per-stage times as the paper profiles them; each of the 2p chunks takes half."""
-    half = lambda t: [x / 2 for x in t] if isinstance(t, list) else t / 2  # noqa: E731
-    return Costs.make(2 * p, t_f=half(t_f), t_b=half(t_b), t_w=half(t_w), t_comm=t_comm, chunks=2, **kw)
+def chunk_costs(p, t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0):
+    """Per-stage times as the paper profiles them; each of the 2p chunks of the V takes half."""
+    return Costs.make(2 * p, t_f=t_f / 2, t_b=t_b / 2, t_w=t_w / 2, t_comm=t_comm, chunks=2)
 
 
 def skewed_costs(p):

@@ -32,8 +32,11 @@ install_packages() {
   [ ${#missing[@]} -eq 0 ] && return 0
   command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install them"
   say "installing slurmctld slurmd slurm-client munge (missing: ${missing[*]})"
-  apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd slurm-client munge >/dev/null
+  if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      slurmctld slurmd slurm-client munge; } >"$STATE_DIR/apt.log" 2>&1; then
+    tail -n 5 "$STATE_DIR/apt.log" >&2
+    die "apt-get could not install SLURM"
+  fi
 }
 
 start_munge() {
@@ -160,11 +163,24 @@ record_namespaces() {  # mount namespace of each slurmd: every job process of th
   done
 }
 
+undo_failed_start() {  # EXIT trap of start: a failed start shows the daemons' logs, then cleans up
+  local status=$?
+  [ "$status" -eq 0 ] && return 0
+  local log
+  for log in "$STATE_DIR"/log/*.log; do
+    [ -s "$log" ] && { say "--- ${log##*/}:"; tail -n 8 "$log" >&2; }
+  done
+  cmd_stop
+  exit "$status"
+}
+
 cmd_start() {
   [ "$(id -u)" -eq 0 ] || die "needs root (daemons run as root, namespaces, /run/munge)"
   [ -d "$STATE_DIR" ] && cmd_stop
-  install_packages
+  teardown_network  # leftovers of a run whose state directory is gone
   mkdir -p "$STATE_DIR"
+  trap undo_failed_start EXIT
+  install_packages
   local mode=${MZB_SLURM_MODE:-}
   if [ "${mode:-netns}" = netns ]; then
     if setup_network 2>"$STATE_DIR/network.err"; then mode=netns
@@ -181,7 +197,7 @@ cmd_start() {
   start_munge
   setsid slurmctld -D -c -f "$CONF" >>"$STATE_DIR/log/slurmctld.out" 2>&1 </dev/null &
   echo $! >"$STATE_DIR/slurmctld.launcher.pid"
-  wait_until 100 env SLURM_CONF="$CONF" scontrol ping || die "slurmctld did not start (see $STATE_DIR/log)"
+  wait_until 100 env SLURM_CONF="$CONF" scontrol ping || die "slurmctld did not start"
   local i
   for i in "${!NODES[@]}"; do start_slurmd "$i"; done
   wait_until 200 nodes_idle || die "nodes not idle: $(SLURM_CONF=$CONF sinfo -h -N -o '%N=%t' | tr '\n' ' ')"
@@ -189,6 +205,7 @@ cmd_start() {
   if [ "$mode" = netns ]; then
     wait_until 20 nodes_reach_each_other || die "node ${NODES[1]} cannot reach ${NODES[0]} over $BRIDGE"
   fi
+  trap - EXIT
   say "two nodes up ($mode mode); export SLURM_CONF=$CONF"
 }
 

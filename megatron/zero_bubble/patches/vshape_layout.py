@@ -11,7 +11,8 @@ megatron-core 0.19.x only knows the interleaved placement (chunk k of rank r = v
   chunk 1). So only "last" changes: `parallel_state.is_pipeline_last_stage` (all callers), and the
   bindings of `pipeline_parallel.utils.is_pp_last_stage` that mean "this rank holds the loss"
   (megatron.training.training: get_model's post_process, train_step's and evaluate's loss reduction;
-  megatron.training.models.gpt). The bindings used for p2p (p2p_communication, schedules, utils'
+  megatron.training.models.gpt), and training.training's `print_rank_last` (its log lines with the
+  losses print on that rank of the global last rank's pipeline). The bindings used for p2p (p2p_communication, schedules, utils'
   get_pp_next_rank) keep the physical ring meaning.
 - embeddings: both ends of the model live on rank 0, so the embedding group is [first pipeline rank]
   (`parallel_state.default_embedding_ranks`, read when the groups are created: install first). Tied
@@ -190,6 +191,7 @@ class VShapePlacement:
                 self.patcher.replace(module, "is_pp_last_stage", self.is_pp_last_stage)
             if loss_holders:
                 self._replace_everywhere(loss_holders[0], "get_model", self.get_model)
+                self.patcher.replace(loss_holders[0], "print_rank_last", self.print_rank_last)
         except BaseException:
             self.uninstall()
             raise
@@ -316,6 +318,21 @@ class VShapePlacement:
             return utils.is_pp_last_stage(pp_group)  # the source is never replaced
         self._check_pipeline_size(size)
         return get_pg_rank(pp_group) == v_last_stage_owner(self.stages)[0]
+
+    def print_rank_last(self, message) -> None:
+        """megatron.training.training's log lines (losses included) print on the global last rank, whose
+        pipeline rank holds no loss under V: print on the rank of that pipeline holding the V's last stage."""
+        import torch
+        from megatron.core import parallel_state
+        from megatron.training.utils import print_rank_last
+
+        if not self.installed or not torch.distributed.is_initialized() or (
+                parallel_state.get_pipeline_model_parallel_world_size() == 1):
+            return print_rank_last(message)
+        ranks = torch.distributed.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        if torch.distributed.get_world_size() - 1 in ranks and (
+                torch.distributed.get_rank() == ranks[v_last_stage_owner(self.stages)[0]]):
+            print(message, flush=True)
 
     def get_pp_last_rank(self, pp_group) -> int:
         import torch

@@ -1,14 +1,13 @@
 """Measure the costs the planner needs on this rank: T_F, T_B, T_W per model chunk, T_comm, M_B and M_W.
 
 During the timer window `PassProfile` takes every pass time from the executor's `pass_timer`, the bytes
-each F saves for backward (`count_saved_activations`, tensors autograd keeps, parameters excluded), and
+each F saves for backward (`saved_activation_bytes`, tensors autograd keeps, weights excluded), and
 the bytes each B leaves in the chunk's WeightGradStore for its W. `measure_p2p_seconds` times a
 ping-pong of one pipeline tensor between neighbouring ranks. Medians make the figures robust to the odd
 slow pass; `summary()` is plain data (lists of floats) so that it can be gathered to one rank.
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections import defaultdict
@@ -51,28 +50,47 @@ class PassProfile:
         return out
 
 
-@contextlib.contextmanager
-def count_saved_activations(parameters, record):
-    """Count the bytes autograd saves for backward inside the block; `record(nbytes)` at the end.
+def saved_activation_bytes(output: torch.Tensor, parameters) -> int:
+    """Bytes autograd keeps for the backward of `output`: the tensors saved by every node of its graph.
 
-    Each storage counts once; parameters (saved by linear layers, but not activation memory) are skipped.
+    Walks the graph from output.grad_fn (built-in nodes expose `_saved_*`, custom Functions
+    `saved_tensors`). Each storage counts once; weights (saved by linear layers, not activation memory)
+    are skipped. Reading the graph changes nothing, unlike saved-tensor hooks, whose unpacked tensors are
+    new objects without the weights' attributes that the deferred weight gradients rely on.
     """
     skip = {p.untyped_storage().data_ptr() for p in parameters}
     seen: set[int] = set()
     total = 0
+    stack, visited = [getattr(output, "grad_fn", None)], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for tensor in _saved_tensors(node):
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in skip and pointer not in seen:
+                seen.add(pointer)
+                total += tensor.untyped_storage().nbytes()
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return total
 
-    def pack(tensor):
-        nonlocal total
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in skip and pointer not in seen:
-            seen.add(pointer)
-            total += storage.nbytes()
-        return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield
-    record(total)
+def _saved_tensors(node) -> list[torch.Tensor]:
+    tensors = []
+    try:
+        tensors += [t for t in getattr(node, "saved_tensors", ()) or () if torch.is_tensor(t)]
+    except RuntimeError:  # already freed (a backward ran) or not a custom Function
+        pass
+    for name in dir(node):
+        if name.startswith("_saved_") and not name.startswith("_saved_tensors"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:
+                continue
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            tensors += [t for t in values if torch.is_tensor(t)]
+    return tensors
 
 
 def _synchronize(device: torch.device) -> None:

@@ -30,7 +30,7 @@ from ..schedules.planners import PlanRequest, plan
 from ..schedules.schedule import Schedule, ScheduleError
 from ..schedules.validate import validate
 from .executor import PipelineExecutor
-from .profiling import PassProfile, count_saved_activations, measure_p2p_seconds
+from .profiling import PassProfile, measure_p2p_seconds, saved_activation_bytes
 
 COST_AWARE = ("zb-auto", "zb-v", "v-half", "v-min")  # planners whose order depends on the costs
 DEVICE_MEMORY_SHARE = 0.9  # of free device memory the automatic limit lets activations take
@@ -129,18 +129,23 @@ class ReplanningPipeline:
         return result
 
     def _profiled_forward_step(self, forward_step_func, model):
+        """forward_step_func that also records the activation bytes of each F (first timed iteration only:
+        they do not change, and walking the graph costs time that would count in T_F)."""
         chunks = model if isinstance(model, list) else [model]
-        index = {id(c): k for k, c in enumerate(chunks)}
-        parameters = {id(c): list(c.parameters()) for c in chunks}
         if self.profile is None:
             self.profile = PassProfile()
-        self._pending_bytes = [0] * len(chunks)
+            self._pending_bytes = [0] * len(chunks)
+        if self.profile.iterations > 0:
+            return forward_step_func
+        index = {id(c): k for k, c in enumerate(chunks)}
+        parameters = {id(c): list(c.parameters()) for c in chunks}
 
         @functools.wraps(forward_step_func)
         def forward_step(data_iterator, model, *args, **kwargs):
-            record = functools.partial(self.profile.record_forward_bytes, index[id(model)])
-            with count_saved_activations(parameters[id(model)], record):
-                return forward_step_func(data_iterator, model, *args, **kwargs)
+            output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+            nbytes = saved_activation_bytes(output, parameters[id(model)])
+            self.profile.record_forward_bytes(index[id(model)], nbytes)
+            return output, loss_func
 
         return forward_step
 

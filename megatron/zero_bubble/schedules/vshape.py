@@ -38,9 +38,14 @@ class Policy:
       arrival of an F or B; "slack" likewise but ignores B arrivals on virtual stage 0 (they only unlock
       their own W). A W always runs when a ready F waits for memory.
     wait: leave the rank idle for a preferred pass arriving within `wait` times the ready pass's duration.
-    f0_cap: chunk-0 forwards in flight (F done, B not) per rank are capped at 2p-1-r (the paper's V) if 0.
+    f0_cap: if not None, chunk-0 forwards in flight (F done, B not) on rank r are capped at f0_cap plus
+      2p-1-r (the paper's V), scaled down by the memory limit over p M_B.
     warmup: before its first chunk-1 F, rank r runs only the chunk-0 forwards that fit until microbatch 0
       comes back (computed from T_F and T_comm) if 0; None leaves it to memory.
+    pace, burst: in the greedy's timeline, rank 0 holds back the chunk-0 F of microbatch i until
+      (i - burst) * pace * C, C being the longest rank's F+B+W time for one microbatch, and does other
+      work meanwhile. Only the order survives (it runs as soon as possible), but it spreads rank 0's
+      forwards between other passes: under a small memory limit a burst would fill memory and stall.
     """
 
     order: tuple = ("B", "F1", "F0")
@@ -49,6 +54,8 @@ class Policy:
     wait: float = 0.0
     f0_cap: int | None = None
     warmup: int | None = None
+    pace: float | None = None
+    burst: int = 0
 
 
 # Chosen greedily (each one cuts the summed regret most) from a sweep of all 144 combinations over p 3..8,
@@ -62,6 +69,15 @@ _POLICIES = (
     Policy(("F1", "B", "F0"), "chunk1", "always", 0.5, None, 0),
     Policy(("F1", "B", "F0"), "older", "fits", 0.0, None, 0),
     Policy(("B", "F1", "F0"), "chunk1", "fits", 0.5, None, None),
+)
+# Added when the memory limit is below what the paper's V needs (V-Half, V-Min), chosen the same way.
+_PACED_POLICIES = (
+    Policy(("F1", "B", "F0"), "older", "slack", pace=1.0, burst=2),
+    Policy(("F1", "B", "F0"), "older", "slack", pace=1.0, burst=1),
+    Policy(("F1", "F0", "B"), "older", "slack", pace=1.0, burst=2),
+    Policy(("F1", "F0", "B"), "older", "slack", pace=0.9, burst=1),
+    Policy(("B", "F1", "F0"), "older", "always", pace=1.0, burst=1),
+    Policy(("F1", "B", "F0"), "older", "slack", pace=1.0, burst=3),
 )
 
 
@@ -89,6 +105,15 @@ class _Greedy:
         self.ended: dict[tuple[str, int, int], float] = {}  # (op, mb, virtual stage) -> end time
         self.times = {"F": costs.t_f, "B": costs.t_b, "W": costs.t_w}
         self.warmup = None if policy.warmup is None else self._warmup_counts(policy.warmup)
+        cycle = max(sum(t[v] for t in self.times.values() for v in rk.vstages) for rk in self.ranks)
+        self.pace = None if policy.pace is None else policy.pace * cycle
+        if policy.f0_cap is not None:
+            # The paper's V holds 2p-1-r chunk-0 and r+1 chunk-1 activations on rank r at p M_B; under a
+            # smaller limit keep the same split, so chunk 0 cannot crowd out the way back up.
+            share = [min(1.0, rk.limit / (self.p * (costs.m_f[rk.vstages[0]] + costs.m_f[rk.vstages[1]])))
+                     for rk in self.ranks]
+            self.f0_caps = [max(1, int((2 * self.p - 1 - r) * share[r] + _EPS) + policy.f0_cap)
+                            for r in range(self.p)]
 
     def _owner(self, vstage: int) -> int:
         return vstage if vstage < self.p else self.nv - 1 - vstage
@@ -133,18 +158,25 @@ class _Greedy:
                         out.append((op, c, mb, ready))
         return out
 
-    def _f_allowed(self, rk: _Rank, c: int) -> bool:
+    def _paced_until(self, rk: _Rank) -> float:
+        """Earliest start of rank 0's next chunk-0 F under the policy's pace (0 without one)."""
+        if self.pace is None or rk.rank != 0:
+            return 0.0
+        return (rk.next["F", 0] - self.policy.burst) * self.pace
+
+    def _f_allowed(self, rk: _Rank, c: int, t: float) -> bool:
         m_f, (v0, v1) = self.costs.m_f, rk.vstages
         if c == 1:
             return rk.memory + m_f[v1] <= rk.limit + _EPS
         # A chunk-0 F leaves room for a chunk-1 F, so the oldest microbatch can always turn back: no deadlock.
         if rk.memory + m_f[v0] + m_f[v1] > rk.limit + _EPS:
             return False
+        if t < self._paced_until(rk) - _EPS:
+            return False
         if self.warmup is not None and rk.next["F", 1] == 0 and rk.next["F", 0] >= self.warmup[rk.rank]:
             return False
         if self.policy.f0_cap is not None:
-            in_flight = rk.next["F", 0] - rk.next["B", 0]
-            return in_flight < 2 * self.p - 1 - rk.rank + self.policy.f0_cap
+            return rk.next["F", 0] - rk.next["B", 0] < self.f0_caps[rk.rank]
         return True
 
     def _priority(self, cand) -> tuple:
@@ -160,17 +192,17 @@ class _Greedy:
             if ready is not None and ready <= t + _EPS:
                 return (seed.op, seed.chunk, seed.mb), None
             return None, ready
-        ranked, later, memory_bound = [], [], False
+        ranked, later, held_f = [], [], False
         for cand in self._candidates(rk):
             if cand[3] > t + _EPS:
                 later.append(cand)
-            if cand[0] == "F" and not self._f_allowed(rk, cand[1]):
-                memory_bound = memory_bound or cand[3] <= t + _EPS
+            if cand[0] == "F" and not self._f_allowed(rk, cand[1], t):
+                held_f = held_f or cand[3] <= t + _EPS  # a ready F held back: use the time for a W
             else:
                 ranked.append(cand)
         ranked.sort(key=self._priority)
         ready = [c for c in ranked if c[3] <= t + _EPS]
-        wake = min((c[3] for c in later), default=None)
+        wake = min([c[3] for c in later] + [x for x in [self._paced_until(rk)] if x > t + _EPS], default=None)
         if ready:
             pick = ready[0]
             hold = self.policy.wait * self.times[pick[0]][rk.vstages[pick[1]]]
@@ -189,7 +221,7 @@ class _Greedy:
             blocking = [x for x in later if not (x[0] == "B" and rk.vstages[x[1]] == 0)]
         upcoming = min((x[3] for x in blocking), default=None)
         fits = upcoming is None or t + self.costs.t_w[rk.vstages[c]] <= upcoming + _EPS
-        if self.policy.w_fill == "always" or memory_bound or fits:
+        if self.policy.w_fill == "always" or held_f or fits:
             return ("W", c, rk.next["W", c]), None
         return None, wake
 
@@ -217,7 +249,7 @@ class _Greedy:
             while progressed:  # a zero-length pass can make another ready at the same instant
                 progressed = False
                 for rk in self.ranks:
-                    if rk.free_at > t + _EPS or rk.first_start is not None and len(rk.order) == 6 * self.m:
+                    if rk.free_at > t + _EPS or len(rk.order) == 6 * self.m:
                         continue
                     choice, wake = self._choose(rk, t)
                     if choice is None:
@@ -305,7 +337,7 @@ def _plan(name, stages, microbatches, costs, memory_limit, memory_limit_absolute
     peaks = [max(profile, default=0.0) for profile in memory_profile(paper, costs)]
     paper_fits = all(peak <= limit + _EPS for peak, limit in zip(peaks, limits))
     # Greedy runs, and where the paper's V fits the memory, greedy drains after its warm-up and steady state.
-    seeds = [(policy, None) for policy in _POLICIES]
+    seeds = [(policy, None) for policy in _POLICIES + (() if paper_fits else _PACED_POLICIES)]
     if paper_fits:
         until_last_f = [r[: max(i for i, x in enumerate(r) if x.op == "F") + 1] for r in paper.ranks]
         seeds += [(policy, until_last_f) for policy in _POLICIES[:2]]

@@ -101,9 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "
                        "so that any pipeline/tensor layout of the model starts from the same weights.")
     if not _cuda_available():
-        # megatron's defaults assume CUDA; on CPU these are the only settings that work.
+        # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
+        # seconds per process for no gain at CPU sizes).
         parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
-                            persist_layer_norm=False, transformer_impl="local")
+                            no_persist_layer_norm=True, transformer_impl="local",
+                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False)
     return parser
 
 
@@ -311,7 +313,7 @@ def check(args) -> ZeroBubbleOptions | None:
 def parse_and_validate():
     """megatron's parse_and_validate_args with the zero-bubble flags; refuses bad input with one line.
 
-    Returns megatron's args with `args.zero_bubble` (ZeroBubbleOptions or None) attached.
+    Returns (megatron's args, ZeroBubbleOptions or None for megatron's own schedule).
     """
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
@@ -320,7 +322,6 @@ def parse_and_validate():
     except StartupRefusal as refusal:
         refuse(str(refusal))
     args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options))
-    args.zero_bubble = options
     if args.padded_vocab_size is None:  # megatron's FLOP count reads it; the model needs it
         from megatron.training import get_tokenizer
         from megatron.training.vocab_utils import calculate_padded_vocab_size
@@ -328,4 +329,4 @@ def parse_and_validate():
         args.padded_vocab_size = calculate_padded_vocab_size(
             get_tokenizer().vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
         )
-    return args
+    return args, options

@@ -1,0 +1,86 @@
+"""Turn the parsed flags into installed patches and a planning, profiling executor around `pretrain()`.
+
+    prepare_process()                      # top of the entry script, before megatron is imported
+    args, options = arguments.parse_and_validate()
+    with zero_bubble_session(args, options):
+        pretrain(...)
+
+Without zero-bubble options (or with megatron's own 1F1B / interleaved schedule chosen) the session
+installs nothing: the run is megatron's own.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from .arguments import SPLIT_BACKWARD_SCHEDULES, TWO_CHUNK_SCHEDULES, ZeroBubbleOptions
+
+
+def prepare_process() -> None:
+    """Import shims (no triton, Python 3.11); without CUDA, the CPU backend for megatron.training."""
+    from ..patches import imports
+
+    imports.install()
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron asks for it with TP > 1
+        from ..patches import cpu_backend
+
+        cpu_backend.install(training=True)
+
+
+def plan_settings(args, options: ZeroBubbleOptions):
+    """PlanSettings for the run: costs estimated from the model shape until measured ones replace them."""
+    from ..runtime.replan import PlanSettings
+    from ..schedules.costs import Costs
+
+    p = args.pipeline_model_parallel_size
+    chunks = args.virtual_pipeline_model_parallel_size or (2 if options.schedule in TWO_CHUNK_SCHEDULES else 1)
+    costs = Costs.from_model(
+        layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
+        seq_length=args.seq_length, micro_batch=args.micro_batch_size, vocab=args.padded_vocab_size,
+        num_virtual_stages=p * chunks,
+    )
+    return PlanSettings(
+        schedule=options.schedule, stages=p, chunks=chunks, memory_limit=options.memory_limit,
+        ilp_time_limit=options.ilp_time_limit, timers_start_iter=options.timers_start_iter,
+        timers_end_iter=options.timers_end_iter, dump_dir=options.dump_dir, initial_costs=costs,
+    )
+
+
+def _log_on_rank0(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _current_iteration() -> int:
+    from megatron.training import get_args
+
+    return get_args().curr_iteration
+
+
+@contextlib.contextmanager
+def zero_bubble_session(args, options: ZeroBubbleOptions | None):
+    """Install what `options` needs for the duration of the block (nothing for megatron's own schedules)."""
+    if options is None or not options.through_runtime:
+        yield None
+        return
+    from ..patches import linear_wgrad, schedule_selection, vshape_layout
+    from ..runtime.replan import ReplanningPipeline
+
+    pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0)
+    try:
+        if options.schedule == "zb-v":  # before initialize_model_parallel: the embedding group changes
+            vshape_layout.install(args.pipeline_model_parallel_size)
+        if options.schedule in SPLIT_BACKWARD_SCHEDULES:
+            linear_wgrad.install()
+        schedule_selection.install(pipeline)
+        yield pipeline
+    finally:
+        pipeline.release()
+        schedule_selection.uninstall()
+        linear_wgrad.uninstall()
+        vshape_layout.uninstall()
