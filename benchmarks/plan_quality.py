@@ -76,6 +76,17 @@ def auto_rate(model: str, p: int, m: int, limit: float, ilp_limit: float) -> flo
     return planned_rate("zb-auto", model, p, m, memory_limit=limit, ilp_time_limit=ilp_limit)
 
 
+def bound_rate(model: str, p: int, m: int, limit: float) -> float:
+    """Bubble rate at the automatic planner's lower bound on the longest span (W in microbatch order)."""
+    from megatron.zero_bubble.schedules.auto import Problem, span_lower_bound
+    from megatron.zero_bubble.schedules.memory import rank_memory_limits
+
+    costs = row_costs(model, p)
+    problem = Problem.from_costs(p, m, costs, rank_memory_limits(p, 1, "single", costs, limit))
+    span, busy = span_lower_bound(problem), max(problem.busy(s) for s in range(p))
+    return (span - busy) / span
+
+
 def _try(errors: list[str], label: str, compute) -> float | None:
     try:
         return compute()
@@ -109,9 +120,12 @@ def main_table(rows, ilp_limit: float, errors: list[str], goals: list[tuple[str,
         ]
         print(f"{index:>3} {model:>6} {p:>3} {m:>4}  " + "  ".join(f"{_cell(r, q):>13}" for r, q in zip(rates, paper)),
               flush=True)
-        for col, r, q in zip(COLUMNS[4:], rates[4:], paper[4:]):
+        for col, r, q, limit in zip(COLUMNS[4:], rates[4:], paper[4:], (p, 2 * p)):
             if r is not None:
-                goals.append((f"{col} {label}: {r:.4f} <= paper {q:.4f}", r <= q + PAPER_ROUNDING))
+                text = f"{col} {label}: {r:.4f} <= paper {q:.4f}"
+                if r > q + PAPER_ROUNDING:  # say how far from the best this cost model allows
+                    text += f" (lower bound of our cost model: {bound_rate(model, p, m, limit):.4f})"
+                goals.append((text, r <= q + PAPER_ROUNDING))
         heuristic = _try(errors, f"{label} ZB-2p heuristic", lambda: auto_rate(model, p, m, 2 * p, 0))
         if heuristic is not None and heuristic > 0.01:
             above.append((label, heuristic, rates[5], paper[5]))
@@ -154,23 +168,46 @@ def zbv_table(rows, errors: list[str], goals: list[tuple[str, bool]]) -> None:
 
 
 def heuristic_timing(errors: list[str], goals: list[tuple[str, bool]]) -> None:
-    """plan() = heuristic + validation; validation is timed again alone and subtracted."""
+    """The heuristic alone (zb_auto with the ILP off, no validation), p=32, m=256."""
+    from megatron.zero_bubble.schedules.auto import zb_auto
+
     costs = row_costs("28.3B", 32)
-    print("\nPlanning time of the zb-auto heuristic (ILP off), p=32, m=256, 28.3B costs:")
+    print("\nPlanning time of the zb-auto heuristic (ILP off, validation not included), p=32, m=256, 28.3B costs:")
     for label, limit in (("ZB-1p", 32), ("ZB-2p", 64)):
         started = time.perf_counter()
-        request = PlanRequest(32, 256, costs, memory_limit=limit, ilp_time_limit=0)
-        schedule = _try(errors, f"timing {label}", lambda: plan("zb-auto", request))
-        total = time.perf_counter() - started
+        schedule = _try(errors, f"timing {label}", lambda: zb_auto(32, 256, costs, limit, ilp_time_limit=0))
+        heuristic = time.perf_counter() - started
         if schedule is None:
             continue
-        started = time.perf_counter()
-        validate(schedule, costs, memory_limit=limit)
-        checking = time.perf_counter() - started
-        heuristic = total - checking
-        print(f"  {label}: plan() {total:.2f} s = heuristic {heuristic:.2f} s + validation {checking:.2f} s")
+        print(f"  {label}: {heuristic:.2f} s")
         goals.append((f"heuristic {label} p=32 m=256 plans in {heuristic:.2f} s < {HEURISTIC_GOAL_S} s",
                       heuristic < HEURISTIC_GOAL_S))
+
+
+# Small pipelines with tight memory, where the heuristic stays above the lower bound and the ILP has room.
+ILP_CASES = [  # label, p, m, costs, memory limit (microbatches)
+    ("p4 m4 uniform", 4, 4, dict(t_f=1, t_b=1, t_w=1), 2),
+    ("p3 m6 uniform", 3, 6, dict(t_f=1, t_b=1, t_w=1), 2),
+    ("p3 m6 heavy last stage", 3, 6, dict(t_f=[1, 1, 2], t_b=[1, 1, 2], t_w=[1, 1, 1.5], t_comm=0.1), 2),
+    ("p6 m6 uniform", 6, 6, dict(t_f=1, t_b=1, t_w=1), 2),
+]
+
+
+def ilp_refinement(ilp_limit: float, errors: list[str], goals: list[tuple[str, bool]]) -> None:
+    from megatron.zero_bubble.schedules.auto import zb_auto
+
+    print(f"\nILP refinement where the heuristic is above 1% (small pipelines, memory limit 2 M_B, ILP {ilp_limit:g} s):")
+    improved = []
+    for label, p, m, cost_args, limit in ILP_CASES:
+        costs = Costs.make(p, **cost_args)
+        heuristic = _try(errors, f"ILP {label}", lambda: simulate(zb_auto(p, m, costs, limit, ilp_time_limit=0), costs))
+        refined = _try(errors, f"ILP {label}", lambda: simulate(zb_auto(p, m, costs, limit, ilp_time_limit=ilp_limit), costs))
+        if heuristic is None or refined is None:
+            continue
+        print(f"  {label:<24} heuristic {heuristic.bubble_rate:.4f} -> ILP {refined.bubble_rate:.4f}")
+        goals.append((f"ILP never worse than the heuristic on {label}", refined.makespan <= heuristic.makespan + 1e-9))
+        improved.append(refined.bubble_rate < heuristic.bubble_rate - 1e-9)
+    goals.append((f"ILP closes part of the heuristic's gap on {sum(improved)} of {len(improved)} cases", any(improved)))
 
 
 def select(selectors: list[str]) -> tuple[list, list]:
@@ -207,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if zbv_rows:
         zbv_table(zbv_rows, errors, goals)
     heuristic_timing(errors, goals)
+    if ilp_limit > 0:
+        ilp_refinement(ilp_limit, errors, goals)
     if errors:
         print("\nNot computed:")
         for line in errors:

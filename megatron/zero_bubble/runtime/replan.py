@@ -92,15 +92,13 @@ class ReplanningPipeline:
     def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], log: Callable[[str], None] = print):
         self.settings = settings
         self.current_iteration = current_iteration
-        self.log = log
+        self.log = log  # one line; the caller prints it on global rank 0 only
         self.executor = PipelineExecutor(self.plan_for)
         self.costs = settings.initial_costs
-        self.cost_source = "estimated from the model shape" if self.costs is not None else "unit costs"
-        self.schedules: dict[int, Schedule] = {}
+        self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profile: PassProfile | None = None
         self.replanned_at: int | None = None
-        self._training_call = False
-        self._dumped = 0
+        self._announced: set[int] = set()
 
     @property
     def layout(self) -> str:
@@ -112,9 +110,15 @@ class ReplanningPipeline:
     # -- the forward-backward call ---------------------------------------------------------------------
     def __call__(self, **kwargs):
         s = self.settings
-        self._training_call = not kwargs.get("forward_only", False)
-        iteration = self.current_iteration() if self._training_call else None
-        timing = self._training_call and s.timers_start_iter <= iteration < s.timers_end_iter
+        training = not kwargs.get("forward_only", False)
+        timing = False
+        if training:
+            iteration = self.current_iteration()
+            timing = s.timers_start_iter <= iteration < s.timers_end_iter
+            m = kwargs["num_microbatches"]
+            if m not in self._announced:
+                self._announced.add(m)
+                self._report(self.plan_for(m), "initial")
         if timing:
             kwargs["forward_step_func"] = self._profiled_forward_step(kwargs["forward_step_func"], kwargs["model"])
             self.executor.pass_timer = self._record_pass
@@ -160,7 +164,7 @@ class ReplanningPipeline:
     def plan_for(self, num_microbatches: int) -> Schedule:
         schedule = self.schedules.get(num_microbatches)
         if schedule is None:
-            schedule = self._agree(num_microbatches, self._local_facts(), previous=None, tag="initial")
+            schedule = self._agree(num_microbatches, self._local_facts(), previous=None)
             self.schedules[num_microbatches] = schedule
         return schedule
 
@@ -171,50 +175,50 @@ class ReplanningPipeline:
             facts["free_bytes"] = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return facts
 
-    def _agree(self, m: int, facts: dict, previous: Schedule | None, tag: str) -> Schedule:
-        """Gather `facts` to rank 0, plan there, broadcast; every rank validates and returns the result."""
+    def _agree(self, m: int, facts: dict, previous: Schedule | None) -> Schedule:
+        """Gather `facts` to rank 0, plan there, broadcast; every rank validates and returns the result
+        (`previous` when re-planning failed)."""
         rank = dist.get_rank()
         gathered = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(facts, gathered, dst=0)
-        payload = [self._plan_on_rank0(m, gathered, previous, tag) if rank == 0 else None]
+        payload = [self._plan_on_rank0(m, gathered, previous) if rank == 0 else None]
         dist.broadcast_object_list(payload, src=0)
         decision = payload[0]
         if "error" in decision:
             if previous is None:
                 raise ScheduleError(decision["error"])
+            self.log(f"{decision['error']}; keeping the current schedule")
             return previous
         schedule = Schedule.from_json(decision["schedule"])
-        costs = Costs.from_dict(decision["costs"])
-        validate(schedule, costs, decision["memory_limit"])  # the same check on every rank: all agree
+        costs = Costs.from_dict(schedule.info["costs"])
+        validate(schedule, costs, schedule.info["memory_limit"])  # the same check on every rank: all agree
         self.costs = costs
         return schedule
 
-    def _plan_on_rank0(self, m: int, gathered: list[dict], previous: Schedule | None, tag: str) -> dict:
+    def _plan_on_rank0(self, m: int, gathered: list[dict], previous: Schedule | None) -> dict:
         s = self.settings
-        costs = self.costs if self.costs is not None else Costs.make(s.stages * s.chunks, chunks=s.chunks)
-        if gathered[0].get("reports"):
-            t_comm = [t for facts in gathered for t in facts["t_comm"]]
-            t_comm = sorted(t_comm)[len(t_comm) // 2] if t_comm else 0.0
-            costs = measured_costs([f["reports"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
+        costs, source = self.costs, "estimated from the model shape"
+        if costs is None:
+            costs, source = Costs.make(s.stages * s.chunks, chunks=s.chunks), "unit costs"
+        if gathered[0].get("report"):
+            t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
+            t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
+            costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
+            source = f"measured in iterations {s.timers_start_iter}-{s.timers_end_iter - 1}"
         limit = self._memory_limit(costs, gathered) if s.schedule in COST_AWARE else None
         try:
             if s.schedule in COST_AWARE or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
                                                         memory_limit=limit, ilp_time_limit=s.ilp_time_limit))
             else:  # a fixed order: only its prediction changes with the costs
-                schedule = previous
-                schedule.info.setdefault("predicted", {})["bubble_rate"] = validate(previous, costs).bubble_rate
+                schedule = Schedule.from_dict(previous.to_dict())
+                schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}
         except ScheduleError as error:
-            message = f"zero-bubble: could not plan {s.schedule} for m={m} ({error})"
-            if previous is not None:
-                self.log(f"{message}; keeping the current schedule")
-            return {"error": message}
-        before = validate(previous, costs).bubble_rate if previous is not None else None
-        schedule.info["costs"] = costs.to_dict()
-        if self._training_call:
-            self._announce(schedule, limit, before, tag)
-            self._dump(schedule, costs, tag)
-        return {"schedule": schedule.to_json(), "costs": costs.to_dict(), "memory_limit": limit}
+            return {"error": f"zero-bubble: could not plan {s.schedule} for m={m} ({error})"}
+        schedule.info.update(costs=costs.to_dict(), memory_limit=limit, costs_from=source)
+        if previous is not None:
+            schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
+        return {"schedule": schedule.to_json()}
 
     def _memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
         """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
@@ -234,31 +238,34 @@ class ReplanningPipeline:
         fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(per_rank), 1.0))
         return float(max(1, min(default, fits)))
 
-    def _announce(self, schedule: Schedule, limit, before, tag: str) -> None:
-        s, rate = self.settings, schedule.info["predicted"]["bubble_rate"]
-        limit_text = f", memory limit {limit:g} microbatches" if limit is not None else ""
+    # -- what rank 0 tells -----------------------------------------------------------------------------
+    def _report(self, schedule: Schedule, when: str) -> None:
+        """One log line about the schedule now used for training, and its JSON and PNG in the dump dir."""
+        s, info = self.settings, schedule.info
+        limit = info.get("memory_limit")
         where = f"p={s.stages}, m={schedule.microbatches}" + (f", {s.chunks} chunks per rank" if s.chunks > 1 else "")
-        if tag == "initial":
-            self.log(f"zero-bubble: running {s.schedule} ({where}{limit_text}) through the zero-bubble runtime; "
-                     f"predicted bubble rate {rate:.2%} (costs {self.cost_source})")
+        where += f", memory limit {limit:g} microbatches" if limit is not None else ""
+        rate = info["predicted"]["bubble_rate"]
+        if when == "initial":
+            self.log(f"zero-bubble: running {s.schedule} ({where}) through the zero-bubble runtime; "
+                     f"predicted bubble rate {rate:.2%} (costs {info['costs_from']})")
         else:
-            self.log(f"zero-bubble: re-planned {s.schedule} ({where}{limit_text}) from costs measured in iterations "
-                     f"{s.timers_start_iter}-{s.timers_end_iter - 1} ({describe_costs(Costs.from_dict(schedule.info['costs']))}); "
-                     f"predicted bubble rate {rate:.2%} (the previous schedule: {before:.2%}); "
-                     f"running it from iteration {tag}")
+            costs = describe_costs(Costs.from_dict(info["costs"]))
+            self.log(f"zero-bubble: re-planned {s.schedule} ({where}) from costs {info['costs_from']} ({costs}); "
+                     f"predicted bubble rate {rate:.2%} (the previous schedule: {info['previous_bubble_rate']:.2%}); "
+                     f"running it from iteration {when}")
+        if s.dump_dir is not None and dist.get_rank() == 0:
+            self._dump(schedule, "initial" if when == "initial" else f"iter{when}")
 
-    def _dump(self, schedule: Schedule, costs: Costs, tag: str) -> None:
-        if self.settings.dump_dir is None:
-            return
+    def _dump(self, schedule: Schedule, tag: str) -> None:
         os.makedirs(self.settings.dump_dir, exist_ok=True)
-        stem = os.path.join(self.settings.dump_dir, f"{self.settings.schedule}-m{schedule.microbatches}-"
-                            + ("initial" if tag == "initial" else f"iter{tag}"))
+        stem = os.path.join(self.settings.dump_dir, f"{self.settings.schedule}-m{schedule.microbatches}-{tag}")
         with open(stem + ".json", "w") as f:
             f.write(schedule.to_json(indent=1))
         try:
             from ..schedules.draw import draw
 
-            draw(validate(schedule, costs), stem + ".png", time_unit="s")
+            draw(validate(schedule, Costs.from_dict(schedule.info["costs"])), stem + ".png", time_unit="s")
         except ImportError as error:  # matplotlib missing: the JSON is the contract, the picture a bonus
             self.log(f"zero-bubble: no PNG of the schedule ({error})")
 
@@ -280,6 +287,9 @@ class ReplanningPipeline:
         report = dict(self.profile.summary(len(chunks)), pp_rank=parallel_state.get_pipeline_model_parallel_rank())
         m = call_kwargs["num_microbatches"]
         previous = self.plan_for(m)
-        self.schedules[m] = self._agree(m, self._local_facts(reports=report, t_comm=t_comm), previous, str(next_iteration))
-        self.replanned_at = next_iteration
+        schedule = self._agree(m, self._local_facts(report=report, t_comm=t_comm), previous)
         self.profile = None
+        if schedule is not previous:
+            self.schedules[m] = schedule
+            self.replanned_at = next_iteration
+            self._report(schedule, str(next_iteration))

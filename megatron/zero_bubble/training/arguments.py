@@ -20,6 +20,9 @@ SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zb-v")
 COST_AWARE_SCHEDULES = ("zb-auto", "zb-v")  # re-planned from measured costs; the others are fixed orders
 TWO_CHUNK_SCHEDULES = ("interleaved-1f1b", "zb-v")
 EXIT_REFUSED = 2
+POST_VALIDATION_REFUSAL = (
+    "--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop the flag"
+)
 
 
 class StartupRefusal(Exception):
@@ -37,10 +40,6 @@ class ZeroBubbleOptions:
     timers_end_iter: int
     dump_dir: str | None
     ilp_time_limit: float
-
-    @property
-    def replans(self) -> bool:
-        return self.through_runtime and self.timers_end_iter > self.timers_start_iter
 
 
 # ---------------------------------------------------------------- flags
@@ -75,9 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "size is set). Zero-bubble schedules always use it.")
     group.add_argument("--zero-bubble-max-pending-backward", type=_max_pending_backward, default=None,
                        metavar="N|auto",
-                       help="Activation-memory limit of the planner in microbatches held per rank (p = 1F1B's "
-                       "peak, i.e. ZB-1p; 2p = ZB-2p). auto (default): what the device memory holds, at most "
-                       "2p, on GPU; 2p for zb-auto and p for zb-v on CPU.")
+                       help="Activation-memory limit of zb-auto and zb-v in microbatches held per rank (p = "
+                       "1F1B's peak, i.e. ZB-1p; 2p = ZB-2p; zb-h1 / zb-h2 have fixed memory). auto (default): on "
+                       "GPU what the free device memory holds, at most the planner's default; on CPU the default, "
+                       "2p for zb-auto and p for zb-v.")
     group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=100,
                        help="First iteration (counted from 0 like megatron's iteration counter) whose pass "
                        "times and activation sizes are measured for re-planning.")
@@ -201,8 +201,6 @@ def check_zero_bubble(args, schedule: str) -> ZeroBubbleOptions:
     p = args.pipeline_model_parallel_size
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
-    if args.enable_optimizer_post_validation:
-        raise StartupRefusal("--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop it")
     vpp = _virtual_stages(args)
     if schedule == "zb-v":
         _check_v_layout(args, vpp)
@@ -301,13 +299,10 @@ def refuse(message: str) -> None:
 def check(args) -> ZeroBubbleOptions | None:
     """All start-up checks on parsed (not yet megatron-validated) arguments; None without zero bubble."""
     check_without_zero_bubble(args)
+    if args.enable_optimizer_post_validation:
+        raise StartupRefusal(POST_VALIDATION_REFUSAL)
     schedule = chosen_schedule(args)
-    if schedule is None:
-        for name in ("enable_optimizer_post_validation",):
-            if getattr(args, name):
-                raise StartupRefusal("--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop it")
-        return None
-    return check_zero_bubble(args, schedule)
+    return None if schedule is None else check_zero_bubble(args, schedule)
 
 
 def parse_and_validate():

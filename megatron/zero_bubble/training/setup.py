@@ -72,6 +72,9 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     from ..runtime.replan import ReplanningPipeline
 
     pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0)
+    if options.schedule in SPLIT_BACKWARD_SCHEDULES and args.transformer_impl == "transformer_engine":
+        _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
+                      "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
     try:
         if options.schedule == "zb-v":  # before initialize_model_parallel: the embedding group changes
             vshape_layout.install(args.pipeline_model_parallel_size)

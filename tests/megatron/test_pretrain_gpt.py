@@ -1,0 +1,320 @@
+"""pretrain_gpt.py on CPU: megatron's own training loop with the zero-bubble flags.
+
+Three launches serve every test (megatron's import is the slow part, so each launch runs many runs):
+- one `torchrun --nproc-per-node 4` of this file in driver mode: it imports pretrain_gpt.py and calls its
+  `main()` once per run (command line in sys.argv, megatron's global state destroyed in between, as its
+  in-process restart does), each rank's output captured per run;
+- one `torchrun --nproc-per-node 1 pretrain_gpt.py` (the PP=1 reference of ZB-V; the script as a script);
+- one process checking every bad flag combination with the entry script's start-up checks, plus one
+  `python pretrain_gpt.py` with bad flags for the real exit path.
+The tiny GPT has no dropout, so different layouts of the same weights (--init-weights-by-global-name)
+compute the same losses, and the loss line megatron prints on every iteration must match to the last digit.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ITERS = 6
+MODEL = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--micro-batch-size 2 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
+    "--hidden-dropout 0 --attention-dropout 0 --init-weights-by-global-name --seed 1234"
+).split()
+TRAIN = (
+    f"--train-iters {ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --num-workers 0 "
+    "--log-interval 1 --log-params-norm --eval-iters 1 --eval-interval 3"
+).split()
+PP4 = ["--pipeline-model-parallel-size", "4"]
+TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
+ILP = ["--zero-bubble-ilp-time-limit", "2"]
+
+
+def _runs(work: str) -> dict[str, list[str]]:
+    """Every run of the 4-rank launch: label -> extra flags (in this order: the resume needs the save)."""
+    ckpt, dump, dump_v = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v"))
+    return {
+        "pp4/megatron": PP4,
+        "pp4/zb-auto": PP4 + ["--enable-zero-bubble", *TIMERS, *ILP, "--zero-bubble-dump-schedule", dump],
+        "pp4/zb-h1": PP4 + ["--pipeline-schedule", "zb-h1", "--save", ckpt, "--save-interval", "3"],
+        "pp4/zb-h1/resumed": PP4 + ["--pipeline-schedule", "zb-h1", "--load", ckpt, "--ckpt-step", "3"],
+        "pp4/zb-h2": PP4 + ["--pipeline-schedule", "zb-h2"],
+        "pp4/1f1b-runtime": PP4 + ["--enable-zb-runtime"],
+        "pp4/zb-v": PP4 + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule", dump_v],
+        "tp2pp2/megatron": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        "tp2pp2/zb-auto": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                           "--enable-zero-bubble", *ILP],
+        "dp2pp2/megatron": ["--pipeline-model-parallel-size", "2"],
+        "dp2pp2/zb-h2": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2"],
+    }
+
+
+# ---------------------------------------------------------------- parsing megatron's log
+
+
+ITERATION_LINE = re.compile(r" iteration +(\d+)/ *\d+ \|(.*)")
+
+
+def iteration_figures(log: str) -> dict[int, dict[str, str]]:
+    """{iteration: {"lm loss": "4.866174E+00", "grad norm": ..., "params norm": ...}} as printed."""
+    figures = {}
+    for match in ITERATION_LINE.finditer(log):
+        fields = dict(re.findall(r" ([a-z ]+): ([0-9.E+-]+) ", match.group(2) + " "))
+        figures[int(match.group(1))] = {k: v for k, v in fields.items() if k in ("lm loss", "grad norm", "params norm")}
+    return figures
+
+
+def validation_losses(log: str) -> list[str]:
+    return re.findall(r"validation loss at iteration \d+[^|]*\| lm loss value: ([0-9.E+-]+)", log)
+
+
+# ---------------------------------------------------------------- launches (parent side)
+
+
+def _torchrun(nproc: int, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def work_dir():
+    with tempfile.TemporaryDirectory(prefix="zb_pretrain_") as work:
+        yield work
+
+
+@pytest.fixture(scope="module")
+def runs(work_dir) -> dict[str, str]:
+    """label -> the combined output of all ranks of that run (4-rank launch of this file as the driver)."""
+    plan = os.path.join(work_dir, "runs.json")
+    with open(plan, "w") as f:
+        json.dump({"common": MODEL + TRAIN, "runs": _runs(work_dir), "out": work_dir}, f)
+    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=600)
+    logs = {}
+    for label in _runs(work_dir):
+        parts = []
+        for rank in range(4):
+            path = os.path.join(work_dir, _log_name(label, rank))
+            if os.path.exists(path):
+                parts.append(open(path).read())
+        logs[label] = "\n".join(parts)
+    assert done.returncode == 0, f"driver failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return logs
+
+
+@pytest.fixture(scope="module")
+def single_stage_log() -> str:
+    """PP=1 run of the same model (the ZB-V reference), launched as a script."""
+    done = _torchrun(1, ["pretrain_gpt.py", *MODEL, *TRAIN], _env(), timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _log_name(label: str, rank: int) -> str:
+    return f"{label.replace('/', '_')}.rank{rank}.log"
+
+
+# ---------------------------------------------------------------- driver (rank side, under torchrun)
+
+
+def drive(plan_path: str) -> None:
+    """Run pretrain_gpt.main() once per run of the plan, each rank's output in its own file per run."""
+    sys.path.insert(0, REPO)
+    import pretrain_gpt  # installs the import shims and the CPU backend at import
+    from megatron.training.training import destroy_global_state
+
+    plan = json.load(open(plan_path))
+    rank = int(os.environ["RANK"])
+    for label, flags in plan["runs"].items():
+        sys.argv = ["pretrain_gpt.py", *plan["common"], *flags]
+        with open(os.path.join(plan["out"], _log_name(label, rank)), "w") as out, \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                pretrain_gpt.main()
+            finally:
+                destroy_global_state()
+
+
+def check_refusals(cases_path: str) -> None:
+    """For each case (flags, world size): the one-line refusal of the start-up checks, or null."""
+    sys.path.insert(0, REPO)
+    from megatron.zero_bubble.training.setup import prepare_process
+
+    prepare_process()
+    from megatron.training.arguments import parse_args
+
+    from megatron.zero_bubble.training import arguments
+
+    results = {}
+    for label, (flags, world_size) in json.load(open(cases_path)).items():
+        sys.argv = ["pretrain_gpt.py", *flags]
+        os.environ["WORLD_SIZE"] = str(world_size)
+        try:
+            arguments.check(parse_args(arguments.add_arguments))
+            results[label] = None
+        except arguments.StartupRefusal as refusal:
+            results[label] = str(refusal)
+    print("REFUSALS " + json.dumps(results))
+
+
+# ---------------------------------------------------------------- tests: losses
+
+
+def _same_training(ours: str, reference: str, iterations=range(1, ITERS + 1)) -> None:
+    mine, theirs = iteration_figures(ours), iteration_figures(reference)
+    for iteration in iterations:
+        assert iteration in theirs and theirs[iteration].get("lm loss"), f"no loss printed at iteration {iteration}"
+        assert mine.get(iteration) == theirs[iteration], f"iteration {iteration}: {mine.get(iteration)} != {theirs[iteration]}"
+
+
+@pytest.mark.parametrize("run", ["pp4/zb-auto", "pp4/zb-h1", "pp4/zb-h2", "pp4/1f1b-runtime"])
+def test_pp4_schedules_print_the_losses_of_megatrons_1f1b_on_every_iteration(runs, run):
+    _same_training(runs[run], runs["pp4/megatron"])
+    assert validation_losses(runs[run]) == validation_losses(runs["pp4/megatron"]) != []
+
+
+def test_zb_v_on_four_ranks_prints_the_losses_of_a_single_stage_run(runs, single_stage_log):
+    _same_training(runs["pp4/zb-v"], single_stage_log)
+    assert validation_losses(runs["pp4/zb-v"]) == validation_losses(single_stage_log) != []
+
+
+@pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
+def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run):
+    _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
+
+
+def test_save_then_load_resumes_a_zero_bubble_run_with_the_uninterrupted_losses(runs):
+    resumed, uninterrupted = runs["pp4/zb-h1/resumed"], runs["pp4/zb-h1"]
+    assert "successfully loaded checkpoint" in resumed and min(iteration_figures(resumed)) == 4
+    # Norms of every resumed iteration; the loss where megatron prints one iteration's own (its second
+    # logged iteration after a start averages two, as in any megatron run).
+    mine, theirs = iteration_figures(resumed), iteration_figures(uninterrupted)
+    for iteration in range(4, ITERS + 1):
+        for key in ("grad norm", "params norm"):
+            assert mine[iteration][key] == theirs[iteration][key], f"{key} at iteration {iteration}"
+    for iteration in (4, 6):
+        assert mine[iteration]["lm loss"] == theirs[iteration]["lm loss"]
+
+
+# ---------------------------------------------------------------- tests: planning and re-planning
+
+
+SCHEDULE_LINE = re.compile(r"zero-bubble: (running|re-planned) (\S+) .*predicted bubble rate ([0-9.]+)%")
+
+
+@pytest.mark.parametrize("run,name,dump", [("pp4/zb-auto", "zb-auto", "dump"), ("pp4/zb-v", "zb-v", "dump-v")])
+def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dump_validates(runs, work_dir, run, name, dump):
+    from megatron.zero_bubble.schedules import Costs
+    from megatron.zero_bubble.schedules.schedule import Schedule
+    from megatron.zero_bubble.schedules.validate import validate
+
+    lines = SCHEDULE_LINE.findall(runs[run])
+    assert [(kind, schedule) for kind, schedule, _ in lines] == [("running", name), ("re-planned", name)]
+    assert "running it from iteration 4" in runs[run] and "measured in iterations 2-3" in runs[run]
+    files = sorted(os.listdir(os.path.join(work_dir, dump)))
+    assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter4.json", f"{name}-m8-iter4.png"]
+    replanned = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-iter4.json")).read())
+    costs = Costs.from_dict(replanned.info["costs"])
+    assert costs.memory_unit == "bytes" and min(costs.m_f) > 0 and min(costs.t_f) > 0 and min(costs.t_w) > 0
+    timeline = validate(replanned, costs)
+    assert abs(100 * timeline.bubble_rate - float(lines[1][2])) < 0.01
+
+
+def test_megatrons_own_schedule_runs_without_the_runtime(runs):
+    assert "zero-bubble:" not in runs["pp4/megatron"] and "zero-bubble:" not in runs["tp2pp2/megatron"]
+
+
+# ---------------------------------------------------------------- bad input
+
+
+BASE = MODEL + TRAIN
+REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal must contain)
+    "conflicting schedule flags": (PP4 + ["--enable-zero-bubble", "--zero-bubble-v-schedule"], 4,
+                                   ["--enable-zero-bubble", "--zero-bubble-v-schedule"]),
+    "conflicting --pipeline-schedule": (PP4 + ["--pipeline-schedule", "zb-h1", "--enable-zero-bubble"], 4,
+                                        ["--pipeline-schedule zb-h1", "--enable-zero-bubble"]),
+    "zb-v layers not divisible by 2p": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule",
+                                         "--num-layers", "6"], 2, ["--num-layers 6", "multiple of 4"]),
+    "zb-v padding asked for": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule", "--num-layers", "6",
+                                "--allow-padding-num-layers"], 2, ["--allow-padding-num-layers", "not implemented"]),
+    "memory limit below one microbatch": (PP4 + ["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "0.5"], 4,
+                                          ["--zero-bubble-max-pending-backward", "below one microbatch"]),
+    "overlap-grad-reduce with a split backward": (PP4 + ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce"], 4,
+                                                  ["--overlap-grad-reduce", "drop"]),
+    "missing --data-path": (["--pipeline-model-parallel-size", "2", "--enable-zero-bubble", "--data-path",
+                             "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
+    "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),
+    "zero bubble with PP=1": (["--enable-zero-bubble"], 1, ["--enable-zero-bubble", "--pipeline-model-parallel-size"]),
+    "distributed optimizer on CPU": (PP4 + ["--enable-zero-bubble", "--use-distributed-optimizer"], 4,
+                                     ["--use-distributed-optimizer", "CPU"]),
+    "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
+    "optimizer post-validation": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
+                                  ["--enable-optimizer-post-validation", "its own issue"]),
+    "one-chunk schedule with a virtual pipeline": (PP4 + ["--pipeline-schedule", "zb-h2", "--num-virtual-stages-per-pipeline-rank",
+                                                          "2"], 4, ["--pipeline-schedule zb-h2", "one model chunk"]),
+    "no zero-bubble flag": ([], 1, None),
+    "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(work_dir) -> dict:
+    cases = os.path.join(work_dir, "cases.json")
+    with open(cases, "w") as f:
+        json.dump({label: (BASE + flags, world) for label, (flags, world, _) in REFUSALS.items()}, f)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "refusals", cases], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
+    assert line is not None, done.stderr[-4000:]
+    return json.loads(line[len("REFUSALS "):])
+
+
+@pytest.mark.parametrize("label", list(REFUSALS))
+def test_bad_input_is_refused_with_one_line_naming_the_flag(refusals, label):
+    words = REFUSALS[label][2]
+    if words is None:
+        assert refusals[label] is None
+        return
+    message = refusals[label]
+    assert message is not None and "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_traceback():
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *PP4, "--enable-zero-bubble", "--zero-bubble-v-schedule"],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr + done.stdout
+    assert "keep one of them" in errors[0] and "iteration" not in done.stdout
+
+
+if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process
+    sys.path.insert(0, REPO)
+    from megatron.zero_bubble.training.setup import prepare_process
+
+    prepare_process()
+elif __name__ == "__main__" and len(sys.argv) > 2:
+    {"drive": drive, "refusals": check_refusals}[sys.argv[1]](sys.argv[2])
