@@ -48,6 +48,8 @@ def _runs(work: str) -> dict[str, list[str]]:
         "pp4/zb-h1/resumed": PP4 + ["--pipeline-schedule", "zb-h1", "--load", ckpt, "--ckpt-step", "3"],
         "pp4/zb-h2": PP4 + ["--pipeline-schedule", "zb-h2"],
         "pp4/1f1b-runtime": PP4 + ["--enable-zb-runtime"],
+        "pp4/interleaved": PP4 + ["--pipeline-schedule", "interleaved-1f1b"],
+        "pp4/interleaved-runtime": PP4 + ["--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime"],
         "pp4/zb-v": PP4 + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule", dump_v],
         "tp2pp2/megatron": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
         "tp2pp2/zb-auto": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
@@ -200,6 +202,12 @@ def test_zb_v_on_four_ranks_prints_the_losses_of_a_single_stage_run(runs, single
     assert validation_losses(runs["pp4/zb-v"]) == validation_losses(single_stage_log) != []
 
 
+def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losses(runs):
+    _same_training(runs["pp4/interleaved-runtime"], runs["pp4/interleaved"])
+    assert "zero-bubble: running interleaved-1f1b" in runs["pp4/interleaved-runtime"]
+    assert "zero-bubble:" not in runs["pp4/interleaved"]
+
+
 @pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
 def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run):
     _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
@@ -232,10 +240,11 @@ def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dum
 
     lines = SCHEDULE_LINE.findall(runs[run])
     assert [(kind, schedule) for kind, schedule, _ in lines] == [("running", name), ("re-planned", name)]
-    assert "running it from iteration 4" in runs[run] and "measured in iterations 2-3" in runs[run]
+    # timers 2..4 in megatron's counter: logged iterations 3-4 measured, the new schedule from logged 5 on
+    assert "running it from iteration 5" in runs[run] and "measured in iterations 3-4" in runs[run]
     files = sorted(os.listdir(os.path.join(work_dir, dump)))
-    assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter4.json", f"{name}-m8-iter4.png"]
-    replanned = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-iter4.json")).read())
+    assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter5.json", f"{name}-m8-iter5.png"]
+    replanned = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-iter5.json")).read())
     costs = Costs.from_dict(replanned.info["costs"])
     assert costs.memory_unit == "bytes" and min(costs.m_f) > 0 and min(costs.t_f) > 0 and min(costs.t_w) > 0
     timeline = validate(replanned, costs)
@@ -244,6 +253,38 @@ def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dum
 
 def test_megatrons_own_schedule_runs_without_the_runtime(runs):
     assert "zero-bubble:" not in runs["pp4/megatron"] and "zero-bubble:" not in runs["tp2pp2/megatron"]
+
+
+# ---------------------------------------------------------------- tests: the measuring pieces (no launch)
+
+
+def test_saved_activation_bytes_counts_what_autograd_keeps_once_and_skips_weights():
+    import torch
+
+    from megatron.zero_bubble.runtime.profiling import saved_activation_bytes
+
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    hidden = x.exp()  # saves its result (4 x 8 floats)
+    out = (hidden * weight[:4]).sum()  # saves `hidden` again (counted once) and a view of the weight (skipped)
+    assert saved_activation_bytes(out, [weight]) == hidden.numel() * 4
+    out.backward()  # reading the graph left it usable
+    assert torch.equal(x.grad, (weight[:4] * hidden).detach())
+
+
+def test_measured_costs_take_the_slowest_replica_of_each_virtual_stage():
+    from megatron.zero_bubble.runtime.replan import measured_costs
+
+    def report(pp_rank, t_f, t_b, t_w, bw=None):
+        return {"pp_rank": pp_rank, "t_f": [t_f], "t_b": [t_b], "t_w": [t_w], "t_bw": [bw], "m_f": [100.0 * (pp_rank + 1)],
+                "m_w": [50.0]}
+
+    costs = measured_costs([report(0, 1.0, 2.0, 0.5), report(1, 3.0, 1.0, 0.7), report(0, 1.5, 1.0, 0.4),
+                            report(1, 2.0, None, None, bw=4.0)], "single", 2, 1, t_comm=0.1)
+    assert costs.t_f == (1.5, 3.0) and costs.t_b == (2.0, 1.0) and costs.t_w == (0.5, 0.7)
+    assert costs.m_f == (100.0, 200.0) and costs.t_comm == 0.1 and costs.memory_unit == "bytes"
+    only_fused = measured_costs([report(0, 1.0, None, None, bw=3.0), report(1, 1.0, None, None, bw=2.0)], "single", 2, 1, 0.0)
+    assert only_fused.t_b == (3.0, 2.0) and only_fused.t_w == (0.0, 0.0)  # a 1F1B run: BW counted as B
 
 
 # ---------------------------------------------------------------- bad input
@@ -274,6 +315,11 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                   ["--enable-optimizer-post-validation", "its own issue"]),
     "one-chunk schedule with a virtual pipeline": (PP4 + ["--pipeline-schedule", "zb-h2", "--num-virtual-stages-per-pipeline-rank",
                                                           "2"], 4, ["--pipeline-schedule zb-h2", "one model chunk"]),
+    "runtime flag with PP=1": (["--enable-zb-runtime"], 1, ["--enable-zb-runtime", "--pipeline-model-parallel-size"]),
+    "zero-bubble option without a schedule": (PP4 + ["--zero-bubble-max-pending-backward", "4"], 4,
+                                              ["--zero-bubble-max-pending-backward", "--enable-zero-bubble"]),
+    "timer window without the runtime": (PP4 + ["--pipeline-schedule", "1f1b", "--zero-bubble-pipeline-timers-end-iter", "3"],
+                                         4, ["--zero-bubble-pipeline-timers-end-iter", "--enable-zb-runtime"]),
     "no zero-bubble flag": ([], 1, None),
     "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
 }

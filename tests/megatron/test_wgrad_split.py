@@ -139,6 +139,21 @@ def test_split_backward_then_w_in_order_matches_megatron_bit_for_bit(tp_group, k
     assert store.pending_count == 0 and store.pending_bytes == 0
 
 
+def test_saved_tensor_hooks_that_copy_still_accumulate_into_the_parameter(tp_group):
+    """Activation offloading unpacks saved tensors as new objects; W must still reach the Parameter."""
+    reference = make_layer("column", True, tp_group)
+    data = microbatch_data(reference)
+    want = fused_run(reference, data)
+
+    linear_wgrad.install()
+    layer = make_layer("column", True, tp_group)
+    store = WeightGradStore("test")
+    store.attach(layer)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
+        got = split_run(layer, data, store)
+    assert_bit_identical(got, want)
+
+
 @pytest.mark.parametrize("kind,bias", CASES)
 def test_w_interleaved_with_later_b_passes_matches_megatron(tp_group, kind, bias):
     reference = make_layer(kind, bias, tp_group)

@@ -102,6 +102,9 @@ class _DeferrableLinear(torch.autograd.Function):
     def forward(ctx, *args):
         *megatron_args, store = args
         ctx.wgrad_store = store
+        # The Parameter itself, not what ctx.saved_tensors unpacks: under saved-tensor hooks (activation
+        # offloading) that is a copy without main_grad, and W would accumulate into a throw-away tensor.
+        ctx.weight_param = megatron_args[1]
         # megatron's forward (with its custom_fwd autocast bookkeeping) fills ctx exactly as it would.
         return _layers().LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *megatron_args)
 
@@ -134,7 +137,7 @@ def _input_grad_and_defer(ctx, grad_output):
     # (prepare_input_tensors_for_wgrad_compute: contiguous, then [s, b, h] viewed as [s*b, h]).
     grad_output = grad_output.contiguous()
     grad_bias = _as_2d(grad_output).sum(dim=0) if ctx.use_bias else None
-    ctx.wgrad_store.defer(DeferredLinearWeightGrad(ctx, input, weight, grad_output))
+    ctx.wgrad_store.defer(DeferredLinearWeightGrad(ctx, input, ctx.weight_param, grad_output))
 
     if handle is not None:
         handle.wait()

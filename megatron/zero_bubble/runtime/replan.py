@@ -6,13 +6,14 @@ It owns a `PipelineExecutor` whose `plan_for(m)` it answers:
 - The first call with m microbatches plans the schedule on global rank 0 (costs from the model shape,
   or measured ones later) and broadcasts its JSON; every rank validates it before use. Planning on one
   rank matters: the ILP is time-limited, so two ranks planning alone could disagree.
-- During training iterations [timers_start_iter, timers_end_iter) (megatron's 0-based counter) every rank
-  records pass times and activation bytes (profiling.py). At the end of iteration timers_end_iter - 1
-  each rank times a p2p ping-pong (T_comm), the measurements are gathered to rank 0, which builds
-  per-virtual-stage costs (the slowest replica of each stage) and re-plans; all ranks take the broadcast
-  schedule for their next call, so every rank switches at iteration timers_end_iter.
-Rank 0 prints one line when the training schedule is first planned and one after re-planning; with a
-dump directory it writes each schedule as JSON and PNG.
+- While megatron's iteration counter (completed iterations; its log prints counter i as "iteration i+1")
+  is in [timers_start_iter, timers_end_iter), every rank records pass times and activation bytes
+  (profiling.py). At the end of counter timers_end_iter - 1 each rank times a p2p ping-pong (T_comm), the
+  measurements are gathered to rank 0, which builds per-virtual-stage costs (the slowest replica of each
+  stage) and re-plans; all ranks take the broadcast schedule for their next call, so every rank switches
+  at the same iteration (logged as timers_end_iter + 1).
+Rank 0 prints one line when the training schedule is first planned and one after re-planning (iterations
+named as megatron's log names them); with a dump directory it writes each schedule as JSON and PNG.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from ..schedules.costs import Costs
 from ..schedules.planners import PlanRequest, plan
-from ..schedules.schedule import Schedule, ScheduleError
+from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 from .executor import PipelineExecutor
 from .profiling import PassProfile, measure_p2p_seconds, saved_activation_bytes
@@ -53,28 +54,23 @@ def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t
     """Per-virtual-stage costs from every rank's `PassProfile.summary()` (with its "pp_rank").
 
     A stage's figure is the largest over its data/tensor-parallel replicas: the slowest one sets the pace.
-    A fused BW counts as B (T_W = 0), so a 1F1B run predicts its own timeline; missing memory counts 0.
+    A fused BW counts as B (T_W = 0), so a 1F1B run predicts its own timeline; what never ran counts 0.
     """
-    from ..schedules.schedule import stage_owner
-
     fields = {name: [0.0] * (stages * chunks) for name in ("t_f", "t_b", "t_w", "m_f", "m_w")}
     for vstage in range(stages * chunks):
         rank, chunk = stage_owner(layout, stages, vstage)
-        replicas = [r for r in reports if r["pp_rank"] == rank]
+        replicas = [report for report in reports if report["pp_rank"] == rank]
         if not replicas:
             raise ScheduleError(f"no measurements arrived from pipeline rank {rank}")
-
-        def worst(name, replicas=replicas, chunk=chunk):
-            values = [r[name][chunk] for r in replicas if r[name][chunk] is not None]
-            return max(values) if values else None
-
-        bw = worst("t_bw")
-        fields["t_f"][vstage] = worst("t_f") or 0.0
-        fields["t_b"][vstage] = worst("t_b") if worst("t_b") is not None else (bw or 0.0)
-        fields["t_w"][vstage] = worst("t_w") or 0.0
-        fields["m_f"][vstage] = worst("m_f") or 0.0
-        fields["m_w"][vstage] = worst("m_w") or 0.0
-    return Costs(**{k: tuple(v) for k, v in fields.items()}, t_comm=t_comm, memory_unit="bytes")
+        worst = {}
+        for name in ("t_f", "t_b", "t_w", "t_bw", "m_f", "m_w"):
+            values = [report[name][chunk] for report in replicas if report[name][chunk] is not None]
+            worst[name] = max(values) if values else None
+        if worst["t_b"] is None:
+            worst["t_b"] = worst["t_bw"]
+        for name in fields:
+            fields[name][vstage] = worst[name] or 0.0
+    return Costs(**{name: tuple(values) for name, values in fields.items()}, t_comm=t_comm, memory_unit="bytes")
 
 
 def describe_costs(costs: Costs) -> str:
@@ -89,7 +85,8 @@ def describe_costs(costs: Costs) -> str:
 class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
-    def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], log: Callable[[str], None] = print):
+    def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int],
+                 log: Callable[[str], None] = print):
         self.settings = settings
         self.current_iteration = current_iteration
         self.log = log  # one line; the caller prints it on global rank 0 only
@@ -102,7 +99,8 @@ class ReplanningPipeline:
 
     @property
     def layout(self) -> str:
-        return {"zb-v": "v", "v-half": "v", "v-min": "v", "interleaved-1f1b": "interleaved"}.get(self.settings.schedule, "single")
+        layouts = {"zb-v": "v", "v-half": "v", "v-min": "v", "interleaved-1f1b": "interleaved"}
+        return layouts.get(self.settings.schedule, "single")
 
     def release(self) -> None:
         self.executor.release()
@@ -129,7 +127,7 @@ class ReplanningPipeline:
         if timing:
             self.profile.iterations += 1
             if iteration == s.timers_end_iter - 1:
-                self._replan(kwargs, iteration + 1)
+                self._replan(kwargs, first_logged=iteration + 2)  # megatron logs counter i as iteration i+1
         return result
 
     def _profiled_forward_step(self, forward_step_func, model):
@@ -204,7 +202,7 @@ class ReplanningPipeline:
             t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
             t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
             costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
-            source = f"measured in iterations {s.timers_start_iter}-{s.timers_end_iter - 1}"
+            source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
         limit = self._memory_limit(costs, gathered) if s.schedule in COST_AWARE else None
         try:
             if s.schedule in COST_AWARE or previous is None:
@@ -229,8 +227,6 @@ class ReplanningPipeline:
         free = [facts["free_bytes"] for facts in gathered if "free_bytes" in facts]
         if not free or costs.memory_unit != "bytes":
             return None
-        from ..schedules.schedule import stage_owner
-
         per_rank = [0.0] * s.stages
         for vstage in range(s.stages * s.chunks):
             per_rank[stage_owner(self.layout, s.stages, vstage)[0]] += costs.m_f[vstage]
@@ -270,7 +266,9 @@ class ReplanningPipeline:
             self.log(f"zero-bubble: no PNG of the schedule ({error})")
 
     # -- the end of the timer window -------------------------------------------------------------------
-    def _replan(self, call_kwargs: dict, next_iteration: int) -> None:
+    def _replan(self, call_kwargs: dict, first_logged: int) -> None:
+        """Measure T_comm, agree on the re-planned schedule; it runs from megatron's logged iteration
+        `first_logged` on."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import schedules as mcore
         from megatron.core.utils import get_model_config
@@ -291,5 +289,5 @@ class ReplanningPipeline:
         self.profile = None
         if schedule is not previous:
             self.schedules[m] = schedule
-            self.replanned_at = next_iteration
-            self._report(schedule, str(next_iteration))
+            self.replanned_at = first_logged
+            self._report(schedule, str(first_logged))

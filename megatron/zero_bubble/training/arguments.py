@@ -20,6 +20,10 @@ SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zb-v")
 COST_AWARE_SCHEDULES = ("zb-auto", "zb-v")  # re-planned from measured costs; the others are fixed orders
 TWO_CHUNK_SCHEDULES = ("interleaved-1f1b", "zb-v")
 EXIT_REFUSED = 2
+DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
+# Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
+RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
+                      "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
 POST_VALIDATION_REFUSAL = (
     "--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop the flag"
 )
@@ -78,13 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "1F1B's peak, i.e. ZB-1p; 2p = ZB-2p; zb-h1 / zb-h2 have fixed memory). auto (default): on "
                        "GPU what the free device memory holds, at most the planner's default; on CPU the default, "
                        "2p for zb-auto and p for zb-v.")
-    group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=100,
-                       help="First iteration (counted from 0 like megatron's iteration counter) whose pass "
-                       "times and activation sizes are measured for re-planning.")
-    group.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=110,
-                       help="Iteration at which the measured costs are gathered, the schedule re-planned on "
-                       "one rank and broadcast; every rank runs the new schedule from this iteration on. "
-                       "Equal to the start: no re-planning.")
+    group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=None, metavar="START",
+                       help=f"Re-planning from measured costs: pass times and activation sizes are recorded while "
+                       f"megatron's count of completed iterations is in [START, END), i.e. in the iterations its "
+                       f"log numbers START+1..END (default {DEFAULT_TIMERS[0]}).")
+    group.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=None, metavar="END",
+                       help=f"After logged iteration END the costs are gathered, the schedule is re-planned on one "
+                       f"rank and broadcast; every rank runs it from logged iteration END+1 on (default "
+                       f"{DEFAULT_TIMERS[1]}; END equal to START: no re-planning).")
     group.add_argument("--zero-bubble-ilp-time-limit", type=float, default=10.0,
                        help="Seconds the automatic planner's ILP refinement may take (0 skips it).")
     group.add_argument("--zero-bubble-dump-schedule", metavar="DIR", default=None,
@@ -100,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     entry.add_argument("--init-weights-by-global-name", action="store_true",
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "
                        "so that any pipeline/tensor layout of the model starts from the same weights.")
+    _repair_help_texts(parser)
     if not _cuda_available():
         # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
         # seconds per process for no gain at CPU sizes).
@@ -107,6 +113,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             no_persist_layer_norm=True, transformer_impl="local",
                             bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False)
     return parser
+
+
+def _repair_help_texts(parser: argparse.ArgumentParser) -> None:
+    """Escape stray '%' in help texts argparse cannot format (megatron-core 0.19.2 has one, in
+    --moe-paged-stash-buffer-size-factor-cuda), so that `--help` prints instead of raising ValueError."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
 
 
 def _cuda_available() -> bool:
@@ -118,8 +137,8 @@ def _cuda_available() -> bool:
 # ---------------------------------------------------------------- checks
 
 
-def chosen_schedule(args) -> str | None:
-    """The schedule the flags ask for, or None for megatron's own; refuses conflicting flags."""
+def chosen_schedule(args) -> tuple[str | None, str | None]:
+    """(schedule, the flag that asked for it), or (None, None) for megatron's own; refuses conflicting flags."""
     asked = []
     if args.pipeline_schedule is not None:
         asked.append(("--pipeline-schedule " + args.pipeline_schedule, args.pipeline_schedule))
@@ -127,15 +146,15 @@ def chosen_schedule(args) -> str | None:
         asked.append(("--enable-zero-bubble", "zb-auto"))
     if args.zero_bubble_v_schedule:
         asked.append(("--zero-bubble-v-schedule", "zb-v"))
-    names = {name for _, name in asked}
-    if len(names) > 1:
+    if len({name for _, name in asked}) > 1:
         flags = " and ".join(flag for flag, _ in asked)
         raise StartupRefusal(f"{flags} ask for different pipeline schedules; keep one of them")
-    if names:
-        return names.pop()
+    if asked:
+        flag, name = asked[0]
+        return name, flag
     if args.enable_zb_runtime:
-        return "interleaved-1f1b" if _virtual_stages(args) else "1f1b"
-    return None
+        return ("interleaved-1f1b" if _virtual_stages(args) else "1f1b"), "--enable-zb-runtime"
+    return None, None
 
 
 def _virtual_stages(args) -> int | None:
@@ -194,62 +213,73 @@ def check_without_zero_bubble(args) -> None:
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
 
 
-def check_zero_bubble(args, schedule: str) -> ZeroBubbleOptions:
+def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
     """Refuse flag combinations the chosen schedule cannot run with; the options otherwise."""
-    flag = {"zb-auto": "--enable-zero-bubble", "zb-v": "--zero-bubble-v-schedule"}.get(
-        schedule, f"--pipeline-schedule {schedule}")
     p = args.pipeline_model_parallel_size
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
     vpp = _virtual_stages(args)
     if schedule == "zb-v":
-        _check_v_layout(args, vpp)
+        _check_v_layout(args, vpp, flag)
     elif schedule == "interleaved-1f1b":
         if vpp is not None and vpp < 2:
-            raise StartupRefusal(f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
+            raise StartupRefusal(
+                f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
     elif vpp not in (None, 1):
         raise StartupRefusal(
             f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank / "
             f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule interleaved-1f1b / zb-v)"
         )
     through_runtime = schedule in SPLIT_BACKWARD_SCHEDULES or args.enable_zb_runtime
-    if through_runtime:
-        _check_runtime(args, flag, split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+    if not through_runtime:
+        _refuse_runtime_only_flags(args, f"{flag} runs megatron's own schedule; add --enable-zb-runtime or drop")
+        return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
+                                 timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
+    _check_runtime(args, flag, split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
     limit = args.zero_bubble_max_pending_backward
     if limit is not None and limit < 1:
         raise StartupRefusal(
             f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
         )
-    if args.zero_bubble_pipeline_timers_end_iter < args.zero_bubble_pipeline_timers_start_iter:
-        raise StartupRefusal("--zero-bubble-pipeline-timers-end-iter is before --zero-bubble-pipeline-timers-start-iter; swap them")
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    start = DEFAULT_TIMERS[0] if start is None else start
+    end = max(start, DEFAULT_TIMERS[1]) if end is None else end
+    if end < start:
+        raise StartupRefusal(
+            "--zero-bubble-pipeline-timers-end-iter is before --zero-bubble-pipeline-timers-start-iter; swap them")
     options = ZeroBubbleOptions(
-        schedule=schedule, through_runtime=through_runtime, memory_limit=limit,
-        timers_start_iter=args.zero_bubble_pipeline_timers_start_iter,
-        timers_end_iter=args.zero_bubble_pipeline_timers_end_iter,
+        schedule=schedule, through_runtime=True, memory_limit=limit, timers_start_iter=start, timers_end_iter=end,
         dump_dir=args.zero_bubble_dump_schedule, ilp_time_limit=args.zero_bubble_ilp_time_limit,
     )
-    if through_runtime:
-        _try_planning(args, options, flag)
+    _try_planning(args, options, flag)
     return options
 
 
-def _check_v_layout(args, vpp) -> None:
+def _refuse_runtime_only_flags(args, reason: str) -> None:
+    for name in RUNTIME_ONLY_FLAGS:
+        if getattr(args, name) is not None:
+            raise StartupRefusal(f"--{name.replace('_', '-')} has no effect: {reason} --{name.replace('_', '-')}")
+
+
+def _check_v_layout(args, vpp, flag: str) -> None:
     p, layers = args.pipeline_model_parallel_size, args.num_layers
     if vpp not in (None, 2):
-        raise StartupRefusal("--zero-bubble-v-schedule places exactly two model chunks per rank; drop the virtual pipeline flags")
+        raise StartupRefusal(f"{flag} places exactly two model chunks per rank; drop the virtual pipeline flags")
     for name in ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers", "mtp_num_layers"):
+                 "decoder_last_pipeline_num_layers", "mtp_num_layers",
+                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
         if getattr(args, name, None):
-            raise StartupRefusal(f"--zero-bubble-v-schedule splits layers evenly; drop --{name.replace('_', '-')}")
-    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        if getattr(args, name, False):
-            raise StartupRefusal(f"--zero-bubble-v-schedule splits layers evenly; drop --{name.replace('_', '-')}")
+            raise StartupRefusal(
+                f"{flag} splits the layers evenly over 2p virtual stages; drop --{name.replace('_', '-')}")
     if layers is None or layers % (2 * p):
-        lower, upper = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
-        padding = " (--allow-padding-num-layers does not pad: padding is not implemented)" if args.allow_padding_num_layers else ""
+        below, above = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
+        choices = f"{below} or {above}" if below else f"{above}"
+        padding = ""
+        if args.allow_padding_num_layers:
+            padding = " (--allow-padding-num-layers does not pad: padding is not implemented)"
         raise StartupRefusal(
-            f"--zero-bubble-v-schedule cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
-            f"is not a multiple of {2 * p}; use --num-layers {lower or upper} or {upper}{padding}"
+            f"{flag} cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
+            f"is not a multiple of {2 * p}; use --num-layers {choices}{padding}"
         )
 
 
@@ -301,8 +331,11 @@ def check(args) -> ZeroBubbleOptions | None:
     check_without_zero_bubble(args)
     if args.enable_optimizer_post_validation:
         raise StartupRefusal(POST_VALIDATION_REFUSAL)
-    schedule = chosen_schedule(args)
-    return None if schedule is None else check_zero_bubble(args, schedule)
+    schedule, flag = chosen_schedule(args)
+    if schedule is None:
+        _refuse_runtime_only_flags(args, "no zero-bubble schedule is chosen; add --enable-zero-bubble or drop")
+        return None
+    return check_zero_bubble(args, schedule, flag)
 
 
 def parse_and_validate():

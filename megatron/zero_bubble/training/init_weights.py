@@ -38,11 +38,12 @@ def global_parameter_names(chunk) -> dict[str, torch.nn.Parameter]:
 
 
 def initial_value(name: str, full_shape: list[int], seed: int, std: float = INIT_STD) -> torch.Tensor:
-    """The full (unsharded) initial tensor of a parameter: normal(0, std) weights, zero biases,
-    layer-norm scales of one."""
+    """The full (unsharded) initial tensor of a parameter, as megatron initialises them: normal(0, std)
+    weights, zero biases, norm scales of one (named "...norm.weight", or TE's fused "layer_norm_weight")."""
+    module = name.split(".")[-2] if "." in name else ""
     if name.endswith("bias"):
         return torch.zeros(full_shape)
-    if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1] or name.endswith("layer_norm_weight"):
+    if "norm" in module or name.endswith("layer_norm_weight"):
         return torch.ones(full_shape)
     generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return std * torch.randn(full_shape, generator=generator, dtype=torch.float32)
