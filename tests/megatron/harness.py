@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import socket
 import tempfile
 import time
@@ -204,17 +203,9 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
 
 def global_param_names(chunk) -> dict[str, object]:
     """{global name: parameter} of one chunk; layer indices are counted over the whole model."""
-    module = _unwrap(chunk)
-    named = {}
-    for name, param in module.named_parameters():
-        match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
-        if match:
-            layer = module.decoder.layers[int(match.group(1))]
-            name = f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
-        elif name == "output_layer.weight" and getattr(param, "shared_embedding", False):
-            name = "embedding.word_embeddings.weight"  # the last stage's copy of a tied embedding
-        named[name] = param
-    return named
+    from megatron.zero_bubble.training.init_weights import global_parameter_names
+
+    return global_parameter_names(chunk)
 
 
 def init_weights_by_global_name(chunks: list, seed: int = 0) -> None:
@@ -336,12 +327,6 @@ def run_layout(layout: Layout, spec: ModelSpec, num_microbatches: int, *, ddp: b
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _partition_dim(param) -> int | None:

@@ -18,6 +18,7 @@ from megatron.zero_bubble.patches.vshape_layout import (
     v_stage_roles,
 )
 from megatron.zero_bubble.schedules.schedule import virtual_stage
+from megatron.zero_bubble.training.init_weights import unwrap
 from tests.megatron import harness
 
 # Tied embeddings: two copies accumulate their microbatches apart and are summed once, PP=1 sums per
@@ -212,7 +213,7 @@ def _v_case(stages: int, spec, rank: int, tied: bool) -> dict:
     losses, _ = _run_by_hand(chunks, spec, stages, rank, MICROBATCHES[tied])
     finalize_model_grads(chunks)
     return {
-        "chunks": [_describe(harness._unwrap(c)) for c in chunks], "losses": losses,
+        "chunks": [_describe(unwrap(c)) for c in chunks], "losses": losses,
         "grads": harness.full_grads(chunks), "tied_copy": tied_copy,
         "tied_copies_equal": copies and (torch.equal(*copies), torch.equal(*(w.main_grad for w in copies))),
         "embedding_group": torch.distributed.get_process_group_ranks(parallel_state.get_embedding_group())
