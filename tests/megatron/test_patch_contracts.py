@@ -59,3 +59,23 @@ def test_schedule_selection_routes_pipelined_runs_and_uninstall_restores_every_b
 def test_a_schedule_that_disagrees_with_the_run_is_refused_before_any_pass(pp, chunks, m, message):
     with pytest.raises(ScheduleError, match=message):
         PipelineExecutor.check_run_matches(one_f_one_b(2, 8), pp, chunks, m)
+
+
+def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped_grad_reduce():
+    from types import SimpleNamespace
+
+    from megatron.zero_bubble.patches import linear_wgrad
+    from megatron.zero_bubble.schedules.handcrafted import zb_h1
+
+    split, fused = zb_h1(2, 4), one_f_one_b(2, 4)
+    plain, overlapped = SimpleNamespace(), SimpleNamespace(ddp_config=SimpleNamespace(overlap_grad_reduce=True))
+    PipelineExecutor.check_runtime_support(fused, [plain])  # 1F1B needs neither
+    with pytest.raises(ScheduleError, match="B/W split of the linear layers is not installed"):
+        PipelineExecutor.check_runtime_support(split, [plain])
+    linear_wgrad.install()
+    try:
+        PipelineExecutor.check_runtime_support(split, [plain])
+        with pytest.raises(ValueError, match="--overlap-grad-reduce is not supported"):
+            PipelineExecutor.check_runtime_support(split, [overlapped])
+    finally:
+        linear_wgrad.uninstall()

@@ -15,8 +15,10 @@ from typing import Callable
 
 import torch
 
-from ..schedules.comm import Recv, Send, consumed, lower, produced
+from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
+from ..schedules.costs import Costs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
+from ..patches import linear_wgrad
 from .p2p import PipelineTransport
 from .wgrad_store import WeightGradStore
 
@@ -28,7 +30,6 @@ class IterationStats:
     peak_activations: int = 0  # (microbatch, chunk) pairs whose F ran and whose B has not
     peak_in_flight: int = 0  # pairs whose F ran and whose W (or BW) has not
     peak_wgrad_bytes: int = 0  # bytes kept for deferred W (inputs and output gradients of linear layers)
-    pass_times: list[tuple[str, int, int, float]] = field(default_factory=list)  # (op, chunk, mb, seconds)
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -85,11 +86,16 @@ class PipelineExecutor:
         self.stores, self._attached_to = [], []
 
     def _program(self, schedule: Schedule, rank: int, forward_only: bool) -> tuple[Schedule, list]:
-        key = (id(schedule), forward_only)
+        """This rank's lowered program, computed and checked once per schedule (re-planning replaces it)."""
+        key = (schedule.microbatches, forward_only)
         cached = self._lowered.get(key)
         if cached is None or cached[0] is not schedule:
             run = forward_only_schedule(schedule) if forward_only else schedule
-            cached = self._lowered[key] = (schedule, (run, lower(run)))
+            # Order messages by the schedule's own costs when it carries them (the plan was checked on those).
+            costs = Costs.from_dict(schedule.info["costs"]) if "costs" in schedule.info else None
+            programs = lower(run, costs)
+            check_lowering(run, programs)  # what runs is exactly what was checked
+            cached = self._lowered[key] = (schedule, (run, programs))
         run, programs = cached[1]
         return run, programs[rank]
 
@@ -109,6 +115,24 @@ class PipelineExecutor:
             raise ScheduleError(
                 f"the schedule '{schedule.name}' places {schedule.chunks} model chunk(s) per rank but the model "
                 f"has {num_chunks}"
+            )
+
+    @staticmethod
+    def check_runtime_support(schedule: Schedule, chunks: list) -> None:
+        """Refuse, before any pass, what this runtime cannot run correctly or usefully."""
+        if not schedule.uses_split_backward():
+            return
+        if not linear_wgrad.installed():
+            # Without the patch B would compute the whole gradient and W nothing: correct, silently slow.
+            raise ScheduleError(
+                f"the schedule '{schedule.name}' splits the backward, but the B/W split of the linear layers "
+                f"is not installed (megatron.zero_bubble.patches.linear_wgrad.install())"
+            )
+        if any(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks):
+            # DDP's per-parameter hooks would launch reductions before the deferred W has accumulated.
+            raise ValueError(
+                "--overlap-grad-reduce is not supported with zero-bubble schedules yet; drop the flag "
+                "(gradients are then reduced once after the last W)"
             )
 
     # -- the megatron-compatible entry ---------------------------------------------------------------
@@ -145,14 +169,7 @@ class PipelineExecutor:
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         schedule = self.plan_for(num_microbatches)
         self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)
-        if schedule.uses_split_backward() and any(
-            getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks
-        ):
-            # DDP's per-parameter hooks would launch reductions before the deferred W has accumulated.
-            raise ValueError(
-                "--overlap-grad-reduce is not supported with zero-bubble schedules yet; drop the flag "
-                "(gradients are then reduced once after the last W)"
-            )
+        self.check_runtime_support(schedule, chunks)
         rank = pp_group.rank()
         run, program = self._program(schedule, rank, forward_only)
         shape = mcore.get_tensor_shapes(
@@ -234,9 +251,7 @@ class _Iteration:
                 start = self._clock()
                 {"F": self.forward, "B": self.backward, "BW": self.backward, "W": self.weight}[item.op](item)
                 if self.executor.pass_timer is not None:
-                    seconds = self._clock() - start
-                    self.stats.pass_times.append((item.op, item.chunk, item.mb, seconds))
-                    self.executor.pass_timer(item.op, item.chunk, item.mb, seconds)
+                    self.executor.pass_timer(item.op, item.chunk, item.mb, self._clock() - start)
                 self._account()
         self.transport.finish()
         for store in self.stores:

@@ -50,6 +50,7 @@ class WeightGradStore:
         self._open: list[DeferredWork] = []  # deferred by the B pass now running (or just finished)
         self._queue: deque[tuple[int, list[DeferredWork]]] = deque()  # (microbatch, its work), oldest first
         self._weights: list[torch.nn.Parameter] = []
+        self._pending_bytes = 0  # kept as work comes and goes: the executor reads it after every pass
 
     # -- ownership -----------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module) -> int:
@@ -115,6 +116,7 @@ class WeightGradStore:
         if not self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: defer() called outside split_backward()")
         self._open.append(work)
+        self._pending_bytes += work.nbytes
 
     def close_microbatch(self, mb: int) -> None:
         """File the work deferred since the last close under microbatch `mb` (empty work is filed too)."""
@@ -161,6 +163,7 @@ class WeightGradStore:
         works.reverse()
         while works:
             work = works.pop()
+            self._pending_bytes -= work.nbytes
             work()
             if self.on_weight_grad_ready is not None:
                 self.on_weight_grad_ready(work.weight)
@@ -180,7 +183,7 @@ class WeightGradStore:
     @property
     def pending_bytes(self) -> int:
         """Bytes the pending work keeps alive (M_W summed over pending microbatches)."""
-        return sum(w.nbytes for w in self._open) + sum(w.nbytes for _, works in self._queue for w in works)
+        return self._pending_bytes
 
     def _require_idle(self, what: str) -> None:
         if self._active:

@@ -48,6 +48,7 @@ def check_coverage(schedule: Schedule) -> None:
             seen[key] = pos
             if p.op == "W" and ("B", p.mb, p.chunk) not in seen:
                 raise ScheduleError(f"rank {rank} runs {p.describe()} before its B")
+
             if p.op in ("B", "BW") and ("F", p.mb, p.chunk) not in seen:
                 raise ScheduleError(f"rank {rank} runs {p.describe()} before its F")
         for chunk in range(schedule.chunks):
@@ -61,6 +62,22 @@ def check_coverage(schedule: Schedule) -> None:
                 for op in ("B", "W"):
                     if "BW" not in has and op not in has:
                         raise ScheduleError(f"rank {rank} has no {op} for {where}")
+        _check_w_follows_b(rank, passes)
+
+
+def _check_w_follows_b(rank: int, passes) -> None:
+    """The runtime keeps deferred weight gradients in a FIFO per chunk: W passes follow B order."""
+    waiting: dict[int, list[int]] = {}  # per chunk, microbatches whose B ran and whose W has not
+    for p in passes:
+        if p.op == "B":
+            waiting.setdefault(p.chunk, []).append(p.mb)
+        elif p.op == "W":
+            oldest = waiting[p.chunk].pop(0)
+            if oldest != p.mb:
+                raise ScheduleError(
+                    f"rank {rank} runs {p.describe()} before the W of microbatch {oldest}, whose B ran first; "
+                    f"W passes must follow the order of their B passes"
+                )
 
 
 def check_memory(schedule: Schedule, costs: Costs, limits: list[float]) -> None:
