@@ -125,3 +125,12 @@ def test_memory_limit_in_microbatches_scales_with_each_ranks_activation():
     assert rank_memory_limits(4, 1, "single", costs, microbatches=2) == [4.0, 2.0, 2.0, 6.0]
     assert rank_memory_limits(2, 2, "v", Costs.make(4, m_f=[1, 2, 3, 4]), microbatches=1) == [5.0, 5.0]
     assert rank_memory_limits(4, 1, "single", costs, absolute=10) == [10.0] * 4
+
+
+def test_schedule_table_gives_each_schedule_its_layout_and_default_memory_limit():
+    from megatron.zero_bubble.schedules.planners import SCHEDULE_NAMES, default_memory_limit, layout_of
+
+    assert [layout_of(n) for n in SCHEDULE_NAMES] == ["single", "interleaved", "single", "single", "single", "v", "v", "v"]
+    assert [default_memory_limit(n, 8) for n in ("zb-auto", "zb-v", "v-half", "v-min")] == [16, 8, 5, 4]
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        layout_of("gpipe")

@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.costs import Costs
-from ..schedules.planners import PlanRequest, plan
+from ..schedules.memory import rank_memory_limits
+from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 from .executor import PipelineExecutor
 from .profiling import PassProfile, measure_p2p_seconds, saved_activation_bytes
 
-COST_AWARE = ("zb-auto", "zb-v", "v-half", "v-min")  # planners whose order depends on the costs
 DEVICE_MEMORY_SHARE = 0.9  # of free device memory the automatic limit lets activations take
 
 
@@ -99,8 +99,7 @@ class ReplanningPipeline:
 
     @property
     def layout(self) -> str:
-        layouts = {"zb-v": "v", "v-half": "v", "v-min": "v", "interleaved-1f1b": "interleaved"}
-        return layouts.get(self.settings.schedule, "single")
+        return layout_of(self.settings.schedule)
 
     def release(self) -> None:
         self.executor.release()
@@ -203,9 +202,10 @@ class ReplanningPipeline:
             t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
             costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
             source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
-        limit = self._memory_limit(costs, gathered) if s.schedule in COST_AWARE else None
+        cost_aware = schedule_kind(s.schedule).cost_aware
+        limit = self._memory_limit(costs, gathered) if cost_aware else None
         try:
-            if s.schedule in COST_AWARE or previous is None:
+            if cost_aware or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
                                                         memory_limit=limit, ilp_time_limit=s.ilp_time_limit))
             else:  # a fixed order: only its prediction changes with the costs
@@ -220,18 +220,19 @@ class ReplanningPipeline:
 
     def _memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
         """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
-        planner's default, else None (the planner's default: 2p for zb-auto, p for zb-v)."""
+        planner's default, else None (the planner's default, see planners.SCHEDULES)."""
         s = self.settings
         if s.memory_limit is not None:
             return s.memory_limit
         free = [facts["free_bytes"] for facts in gathered if "free_bytes" in facts]
         if not free or costs.memory_unit != "bytes":
             return None
-        per_rank = [0.0] * s.stages
-        for vstage in range(s.stages * s.chunks):
-            per_rank[stage_owner(self.layout, s.stages, vstage)[0]] += costs.m_f[vstage]
-        default = s.stages if s.schedule == "zb-v" else 2 * s.stages
-        fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(per_rank), 1.0))
+        one_microbatch = rank_memory_limits(s.stages, s.chunks, self.layout, costs, microbatches=1)
+        default = default_memory_limit(s.schedule, s.stages)
+        fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(one_microbatch), 1.0))
+        if fits < 1:  # planning goes on with one microbatch in flight, but say that it may not fit
+            self.log(f"zero-bubble: free device memory ({min(free) / 2**30:.3g} GiB) holds less than one "
+                     f"microbatch's activations; planning with --zero-bubble-max-pending-backward 1")
         return float(max(1, min(default, fits)))
 
     # -- what rank 0 tells -----------------------------------------------------------------------------

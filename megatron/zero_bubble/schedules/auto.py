@@ -333,7 +333,9 @@ def zb_auto(
     if costs.num_virtual_stages != stages:
         raise ScheduleError(f"costs describe {costs.num_virtual_stages} stages but the pipeline has {stages}")
     if memory_limit is None and memory_limit_absolute is None:
-        memory_limit = 2 * stages
+        from .planners import default_memory_limit  # on use, as planners imports this module
+
+        memory_limit = default_memory_limit("zb-auto", stages)
     limits = rank_memory_limits(stages, 1, "single", costs, memory_limit, memory_limit_absolute)
     problem = Problem.from_costs(stages, microbatches, costs, limits)
     for s in range(stages):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .costs import DEFAULT_MW_RATIO, Costs
 from .draw import check_picture_path, comparison_table, draw, draw_stacked, render_text, simulation_report
-from .planners import SCHEDULE_NAMES, PlanRequest, natural_chunks, plan
+from .planners import SCHEDULE_NAMES, PlanRequest, layout_of, natural_chunks, plan
 from .schedule import Schedule, ScheduleError, stage_owner
 from .simulate import Timeline, simulate
 from .validate import validate
@@ -103,10 +103,6 @@ def _per_virtual_stage(value, stages: int, chunks: int, layout: str, what: str):
         return [value[stage_owner(layout, stages, v)[0]] / chunks for v in range(stages * chunks)]
     per_vstage = f" or one per virtual stage ({stages * chunks})" if chunks > 1 else ""
     raise UsageError(f"{what} has {len(value)} values; give 1 or one per rank ({stages}){per_vstage}")
-
-
-def layout_of(name: str) -> str:
-    return {"interleaved-1f1b": "interleaved", "zb-v": "v", "v-half": "v", "v-min": "v"}.get(name, "single")
 
 
 def chunks_for(name: str, args) -> int:

@@ -12,7 +12,6 @@ from .costs import Costs
 from .schedule import Schedule, ScheduleError
 from .validate import validate
 
-SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zb-v", "v-half", "v-min")
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,50 @@ class PlanRequest:
     progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
 
 
+@dataclass(frozen=True)
+class ScheduleKind:
+    """What every caller needs to know about a schedule name, kept in one place."""
+
+    layout: str  # how virtual stages map to ranks: "single", "interleaved" or "v"
+    chunks: int  # natural model chunks per rank
+    split_backward: bool  # runs B and W as separate passes (zero-bubble schedules)
+    cost_aware: bool  # the pass order depends on the costs, so measured costs call for re-planning
+    # Default limit in in-flight microbatches for p stages; None: the schedule's memory is fixed by its order.
+    default_memory_limit: Callable[[int], float] | None = None
+
+
+SCHEDULES: dict[str, ScheduleKind] = {
+    "1f1b": ScheduleKind("single", 1, split_backward=False, cost_aware=False),
+    "interleaved-1f1b": ScheduleKind("interleaved", 2, split_backward=False, cost_aware=False),
+    "zb-h1": ScheduleKind("single", 1, split_backward=True, cost_aware=False),
+    "zb-h2": ScheduleKind("single", 1, split_backward=True, cost_aware=False),
+    "zb-auto": ScheduleKind("single", 1, split_backward=True, cost_aware=True, default_memory_limit=lambda p: 2 * p),
+    "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: p),
+    "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: (p + 2) // 2),
+    "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: (p + 4) // 3),
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
+
+
+def layout_of(name: str) -> str:
+    return schedule_kind(name).layout
+
+
+def default_memory_limit(name: str, stages: int) -> float | None:
+    """The planner's limit in in-flight microbatches when none is given (None: fixed by the schedule)."""
+    limit = schedule_kind(name).default_memory_limit
+    return None if limit is None else limit(stages)
+
+
 def natural_chunks(name: str) -> int:
-    return 2 if name in ("zb-v", "v-half", "v-min", "interleaved-1f1b") else 1
+    return schedule_kind(name).chunks
 
 
 def default_costs(request: PlanRequest, name: str) -> Costs:
@@ -73,11 +114,12 @@ def plan(name: str, request: PlanRequest) -> Schedule:
         raise ScheduleError(f"pipeline schedules need at least 2 stages, got {request.stages}")
     if request.microbatches < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
-    if name in ("zb-v", "v-half", "v-min") and (request.chunks or 2) != 2:
+    if layout_of(name) == "v" and (request.chunks or 2) != 2:
         raise ScheduleError(f"{name} places exactly 2 chunks per rank (a V), got chunks={request.chunks}")
     costs = default_costs(request, name)
     schedule = _build(name, request, costs)
     timeline = validate(schedule, costs, request.memory_limit, request.memory_limit_absolute)
+    schedule.info.setdefault("costs", costs.to_dict())  # the executor orders its messages on these too
     schedule.info.setdefault("predicted", {})
     schedule.info["predicted"].update(
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory

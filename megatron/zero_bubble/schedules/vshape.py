@@ -308,7 +308,9 @@ def paper_v_order(stages: int, microbatches: int) -> list[list[Pass]]:
 
 
 def _default_limit(name: str, stages: int) -> float:
-    return {"zb-v": stages, "v-half": (stages + 2) // 2, "v-min": (stages + 4) // 3}[name]
+    from .planners import default_memory_limit  # on use: planners imports this module on use too
+
+    return default_memory_limit(name, stages)
 
 
 def _limits(name, stages, costs, memory_limit, memory_limit_absolute) -> list[float]:

@@ -12,13 +12,13 @@ import os
 import sys
 from dataclasses import dataclass
 
-from ..schedules.planners import PlanRequest, plan
+from ..schedules.planners import SCHEDULES, PlanRequest, layout_of, natural_chunks, plan
 from ..schedules.schedule import ScheduleError
 
+# The schedules pretrain_gpt.py offers (v-half and v-min are planner-only for now); their facts live in
+# planners.SCHEDULES.
 PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zb-v")
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto", "zb-v")
-COST_AWARE_SCHEDULES = ("zb-auto", "zb-v")  # re-planned from measured costs; the others are fixed orders
-TWO_CHUNK_SCHEDULES = ("interleaved-1f1b", "zb-v")
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name in PIPELINE_SCHEDULES if SCHEDULES[name].split_backward)
 EXIT_REFUSED = 2
 DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
@@ -219,9 +219,9 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
     vpp = _virtual_stages(args)
-    if schedule == "zb-v":
+    if layout_of(schedule) == "v":
         _check_v_layout(args, vpp, flag)
-    elif schedule == "interleaved-1f1b":
+    elif layout_of(schedule) == "interleaved":
         if vpp is not None and vpp < 2:
             raise StartupRefusal(
                 f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
@@ -299,7 +299,7 @@ def _check_runtime(args, flag: str, split_backward: bool) -> None:
 
 def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
     """Plan once with unit costs (no ILP) so that an impossible memory limit is refused before training."""
-    chunks = 2 if options.schedule in TWO_CHUNK_SCHEDULES and not _virtual_stages(args) else _virtual_stages(args)
+    chunks = _virtual_stages(args) or natural_chunks(options.schedule)
     try:
         plan(options.schedule, PlanRequest(
             stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
@@ -311,8 +311,8 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
 
 def megatron_defaults(options: ZeroBubbleOptions | None) -> dict:
     """Values handed to megatron as `args_defaults` (used only where the command line leaves them unset)."""
-    if options is not None and options.schedule in TWO_CHUNK_SCHEDULES:
-        return {"num_virtual_stages_per_pipeline_rank": 2}
+    if options is not None and options.schedule is not None and natural_chunks(options.schedule) > 1:
+        return {"num_virtual_stages_per_pipeline_rank": natural_chunks(options.schedule)}
     return {}
 
 

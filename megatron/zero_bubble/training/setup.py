@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .arguments import SPLIT_BACKWARD_SCHEDULES, TWO_CHUNK_SCHEDULES, ZeroBubbleOptions
+from ..schedules.planners import layout_of, natural_chunks
+from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
 
 
 def prepare_process() -> None:
@@ -36,7 +37,7 @@ def plan_settings(args, options: ZeroBubbleOptions):
     from ..schedules.costs import Costs
 
     p = args.pipeline_model_parallel_size
-    chunks = args.virtual_pipeline_model_parallel_size or (2 if options.schedule in TWO_CHUNK_SCHEDULES else 1)
+    chunks = args.virtual_pipeline_model_parallel_size or natural_chunks(options.schedule)
     costs = Costs.from_model(
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
         seq_length=args.seq_length, micro_batch=args.micro_batch_size, vocab=args.padded_vocab_size,
@@ -76,7 +77,7 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
                       "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
     try:
-        if options.schedule == "zb-v":  # before initialize_model_parallel: the embedding group changes
+        if layout_of(options.schedule) == "v":  # before initialize_model_parallel: the embedding group changes
             vshape_layout.install(args.pipeline_model_parallel_size)
         if options.schedule in SPLIT_BACKWARD_SCHEDULES:
             linear_wgrad.install()
