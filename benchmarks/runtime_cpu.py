@@ -45,22 +45,14 @@ def _time_iterations(chunks, spec, m, iterations):
 
 
 def _comm_time(shape) -> float:
-    """One-way time of a pipeline tensor between the two ranks (half a round trip)."""
+    """One-way time of a pipeline tensor between the two ranks (the runtime's own ping-pong measurement)."""
     import torch
-    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.zero_bubble.runtime.profiling import measure_p2p_seconds
 
-    buf = torch.zeros(shape)
-    rounds, rank = 20, dist.get_rank()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        if rank == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
-    return (time.perf_counter() - start) / (2 * rounds)
+    figures = measure_p2p_seconds(parallel_state.get_pipeline_model_parallel_group(), shape, torch.float32,
+                                  torch.device("cpu"), repeats=20)
+    return figures[0] if figures else 0.0
 
 
 def scenario(spec, m: int, iterations: int) -> dict:

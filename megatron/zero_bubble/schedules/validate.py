@@ -112,7 +112,7 @@ def validate(
     if check_comm:
         from .comm import check_lowering, lower  # the lowering is a separate layer over the same data
 
-        check_lowering(schedule, lower(schedule, costs))
+        check_lowering(schedule, lower(schedule, costs, timeline))
     limits = rank_memory_limits(
         schedule.stages, schedule.chunks, schedule.layout, costs, memory_limit, memory_limit_absolute
     )
