@@ -101,6 +101,14 @@ def split_run(layer, data, store, order=None):
     return [grad_inputs[i] for i in range(len(data))], snapshot_grads(layer)
 
 
+def run_b_passes(layer, data, store):
+    """B of each microbatch in turn with the store active; their W stay pending."""
+    for mb, (x, grad_y) in enumerate(data):
+        with store.split_backward():
+            forward_backward(layer, x, grad_y)
+        store.close_microbatch(mb)
+
+
 def snapshot_grads(layer):
     out = {}
     for name, param in layer.named_parameters():
@@ -174,10 +182,7 @@ def test_b_pass_defers_weight_grad_but_not_bias_grad_and_counts_bytes(tp_group):
     data = microbatch_data(layer)
     store = WeightGradStore("test")
     store.attach(layer)
-    for mb in range(2):
-        with store.split_backward():
-            forward_backward(layer, *data[mb])
-        store.close_microbatch(mb)
+    run_b_passes(layer, data[:2], store)
     assert layer.weight.grad is None and layer.bias.grad is not None
     per_mb = sum(t.numel() * t.element_size() for t in data[0])  # input + grad_output of the one layer
     assert store.pending_microbatches == [0, 1]
@@ -220,10 +225,7 @@ def test_w_out_of_order_raises_schedule_error(tp_group):
     data = microbatch_data(layer)
     store = WeightGradStore("chunk0")
     store.attach(layer)
-    for mb in range(2):
-        with store.split_backward():
-            forward_backward(layer, *data[mb])
-        store.close_microbatch(mb)
+    run_b_passes(layer, data[:2], store)
     with pytest.raises(ScheduleError, match="W of microbatch 1 requested .* microbatch 0 is next"):
         store.run_next(1)
     store.run_next(0)

@@ -25,7 +25,7 @@ import torch
 
 from . import imports
 from ._patching import Patcher, PatchError, check_megatron_core_version
-from .cpu_backend_torch import CpuTorch, cuda_calls_stay_on_cpu
+from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
 RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
@@ -132,13 +132,8 @@ class CoreCpuBackend:
     def _patch_tied_embedding_setup(self) -> None:
         language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
         module_class = language_module.LanguageModule
-        original = module_class.setup_embeddings_and_output_layer
-
-        def setup_embeddings_and_output_layer(model) -> None:
-            with cuda_calls_stay_on_cpu():
-                original(model)
-
-        self.patcher.replace(module_class, "setup_embeddings_and_output_layer", setup_embeddings_and_output_layer)
+        wrapped = with_cuda_calls_on_cpu(module_class.setup_embeddings_and_output_layer)
+        self.patcher.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
 
 
 BACKEND = CoreCpuBackend()

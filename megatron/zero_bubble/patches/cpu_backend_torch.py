@@ -187,3 +187,14 @@ def cuda_calls_stay_on_cpu():
 
 def _stay_on_cpu(self, device=None, non_blocking=False, **kwargs):
     return self
+
+
+def with_cuda_calls_on_cpu(function):
+    """`function` wrapped so that its `.cuda()` calls stay on the CPU while it runs."""
+
+    @functools.wraps(function)
+    def run_on_cpu(*args, **kwargs):
+        with cuda_calls_stay_on_cpu():
+            return function(*args, **kwargs)
+
+    return run_on_cpu

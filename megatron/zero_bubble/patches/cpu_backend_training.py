@@ -16,14 +16,13 @@ Installs the core part first (cpu_backend_core.py), then:
 """
 from __future__ import annotations
 
-import functools
 import importlib
 
 import torch
 
 from . import cpu_backend_core
 from ._patching import Patcher, PatchError, check_megatron_core_version
-from .cpu_backend_torch import CpuTorch, cuda_calls_stay_on_cpu
+from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 TRAINING_MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.training.training",  # device='cuda' literals, streams around DDP, memory reports
@@ -95,16 +94,7 @@ class TrainingCpuBackend:
         training = importlib.import_module("megatron.training.training")
         dist_utils = importlib.import_module("megatron.training.models.dist_utils")
         for module, name in ((training, "get_model"), (dist_utils, "prepare_existing_model_chunks_for_distributed_training")):
-            self.patcher.replace(module, name, _with_cuda_calls_on_cpu(getattr(module, name)))
-
-
-def _with_cuda_calls_on_cpu(function):
-    @functools.wraps(function)
-    def run_on_cpu(*args, **kwargs):
-        with cuda_calls_stay_on_cpu():
-            return function(*args, **kwargs)
-
-    return run_on_cpu
+            self.patcher.replace(module, name, with_cuda_calls_on_cpu(getattr(module, name)))
 
 
 BACKEND = TrainingCpuBackend()
