@@ -4,7 +4,8 @@
 never decides order: it walks the lowered program of its pipeline rank (compute passes with the sends and
 receives between them) and runs F with Megatron's own `forward_step`, B with the weight-gradient part
 deferred into the chunk's WeightGradStore, W by running that store's oldest microbatch, and BW as
-Megatron's ordinary backward.
+Megatron's ordinary backward. With optimizer post-validation, the V pass validates the previous step and,
+when that step had to be redone, replays this rank's passes from the start (see post_validation.py).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import torch
 
 from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
 from ..schedules.costs import Costs
+from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
 from ..patches import linear_wgrad
 from .p2p import PipelineTransport
+from .replay import Rewind
 from .wgrad_store import WeightGradStore
 
 
@@ -33,7 +36,7 @@ class IterationStats:
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
-    """The same schedule with only its F passes (evaluation)."""
+    """The same schedule with only its F passes (evaluation; no V: a pending step is validated before)."""
     ranks = [[p for p in passes if p.op == "F"] for passes in schedule.ranks]
     return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
 
@@ -58,12 +61,14 @@ class PipelineExecutor:
 
     plan_for(num_microbatches) returns the Schedule to run (the same object while the plan is unchanged,
     so its lowering is computed once). pass_timer, when set, is called with (op, chunk, mb, seconds) for
-    every pass; timing synchronises the device, so enable it only for profiling windows.
+    every pass; timing synchronises the device, so enable it only for profiling windows. post_validation,
+    when set, is the PostValidation whose pending optimizer step the schedules' V passes validate.
     """
 
-    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None):
+    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None, post_validation=None):
         self.plan_for = plan_for
         self.pass_timer = pass_timer
+        self.post_validation = post_validation
         self.stores: list[WeightGradStore] = []
         self._attached_to: list[int] = []
         self._lowered: dict[tuple[int, bool], tuple[Schedule, list]] = {}
@@ -85,8 +90,8 @@ class PipelineExecutor:
             store.detach()
         self.stores, self._attached_to = [], []
 
-    def _program(self, schedule: Schedule, rank: int, forward_only: bool) -> tuple[Schedule, list]:
-        """This rank's lowered program, computed and checked once per schedule (re-planning replaces it)."""
+    def _program(self, schedule: Schedule, rank: int, forward_only: bool) -> tuple[Schedule, list, object]:
+        """This rank's lowered program (and its rollback variant), computed and checked once per schedule."""
         key = (schedule.microbatches, forward_only)
         cached = self._lowered.get(key)
         if cached is None or cached[0] is not schedule:
@@ -95,9 +100,13 @@ class PipelineExecutor:
             costs = Costs.from_dict(schedule.info["costs"]) if "costs" in schedule.info else None
             programs = lower(run, costs)
             check_lowering(run, programs)  # what runs is exactly what was checked
-            cached = self._lowered[key] = (schedule, (run, programs))
-        run, programs = cached[1]
-        return run, programs[rank]
+            rollbacks = None
+            if run.has_post_validation():
+                check_rollback(run, programs)
+                rollbacks = rollback_programs(run, programs)
+            cached = self._lowered[key] = (schedule, (run, programs, rollbacks))
+        run, programs, rollbacks = cached[1]
+        return run, programs[rank], rollbacks[rank] if rollbacks else None
 
     @staticmethod
     def check_run_matches(schedule: Schedule, pp_size: int, num_chunks: int, num_microbatches: int) -> None:
@@ -116,6 +125,17 @@ class PipelineExecutor:
                 f"the schedule '{schedule.name}' places {schedule.chunks} model chunk(s) per rank but the model "
                 f"has {num_chunks}"
             )
+
+    def check_post_validation(self, schedule: Schedule, forward_only: bool) -> None:
+        if forward_only:
+            return
+        if self.post_validation is not None and not schedule.has_post_validation():
+            raise ScheduleError(
+                f"optimizer post-validation is on, but the schedule '{schedule.name}' has no V passes "
+                f"(plan it with post_validation=True)"
+            )
+        if self.post_validation is None and schedule.has_post_validation():
+            raise ScheduleError(f"the schedule '{schedule.name}' has V passes but optimizer post-validation is off")
 
     @staticmethod
     def check_runtime_support(schedule: Schedule, chunks: list) -> None:
@@ -170,8 +190,15 @@ class PipelineExecutor:
         schedule = self.plan_for(num_microbatches)
         self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)
         self.check_runtime_support(schedule, chunks)
+        self.check_post_validation(schedule, forward_only)
+        if forward_only and self.post_validation is not None and self.post_validation.has_pending:
+            self.post_validation.flush()  # evaluation must see validated weights
         rank = pp_group.rank()
-        run, program = self._program(schedule, rank, forward_only)
+        run, program, rollback = self._program(schedule, rank, forward_only)
+        rewind = None
+        if rollback is not None and self.post_validation.has_pending:  # the V pass may ask for a replay
+            rewind = Rewind(iterators)
+            iterators = rewind.iterators
         shape = mcore.get_tensor_shapes(
             seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
             config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp,
@@ -183,7 +210,7 @@ class PipelineExecutor:
             cp_size=pg_collection.cp.size(), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
             transport=PipelineTransport(pp_group, tuple(shape), config.pipeline_dtype, device), device=device,
-            stores=self._stores_for(chunks),
+            stores=self._stores_for(chunks), rollback=rollback, rewind=rewind,
         )
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -227,6 +254,8 @@ class _Iteration:
     transport: PipelineTransport
     device: torch.device
     stores: list[WeightGradStore]
+    rollback: object = None  # this rank's RollbackProgram when the schedule has a V pass
+    rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
     forward_data_store: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
     outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
@@ -246,6 +275,10 @@ class _Iteration:
             elif isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
                 self.transport.post_send(item.msg, tensor, on_done)
+            elif item.op == "V":
+                if self.validate(item):
+                    self.replay()
+                    return
             else:
                 self.transport.reap_sends()
                 start = self._clock()
@@ -257,6 +290,38 @@ class _Iteration:
         for store in self.stores:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
+
+    def validate(self, p: Pass) -> bool:
+        """The V pass: receive the previous step's full sums (the last rank has them), validate, pass them on."""
+        controller = self.executor.post_validation
+        need = consumed(self.schedule, self.rank, p)
+        summary = self.transport.wait_recv(need) if need is not None else controller.own_summary()
+        out = produced(self.schedule, self.rank, p)
+        if out is not None:
+            self.outgoing[out] = (summary, None)
+        return controller.validate(summary)
+
+    def replay(self) -> None:
+        """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
+        if self.rewind is None:
+            raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
+        for item in self.rollback.after_validation:
+            if isinstance(item, Send):
+                tensor, on_done = self.outgoing.pop(item.msg)
+                self.transport.post_send(item.msg, tensor, on_done)
+            else:  # a message its sender computed before its own V: received and dropped
+                self.transport.post_recv(item.msg)
+                self.transport.wait_recv(item.msg)
+        self.transport.reap_sends(block=True)
+        self.outgoing.clear()
+        self.saved.clear()
+        self.handoff.clear()
+        self.forward_data_store.clear()
+        self.started_chunks.clear()
+        self.total_num_tokens.zero_()
+        self.in_flight = 0
+        self.rewind.rewind()
+        self.run(self.rollback.restart)
 
     def _clock(self) -> float:
         if self.executor.pass_timer is not None and self.device.type == "cuda":

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.comm import Message
+from .post_validation import summary_size
 
 
 class PipelineTransport:
@@ -23,8 +24,10 @@ class PipelineTransport:
         return dist.get_global_rank(self.group, group_rank)
 
     def post_recv(self, msg: Message) -> None:
-        # Megatron receives activations and gradients into leaf tensors that require grad.
-        buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
+        if msg.kind == "valid":  # the optimizer's validation sums (post_validation.py): fp32, one per stage
+            buffer = torch.empty(summary_size(self.group.size()), dtype=torch.float, device=self.device)
+        else:  # megatron receives activations and gradients into leaf tensors that require grad
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
         self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer)
 
     def wait_recv(self, msg: Message) -> torch.Tensor:
@@ -36,6 +39,9 @@ class PipelineTransport:
 
     def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None) -> None:
         """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output)."""
+        if msg.kind == "valid":
+            self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor, on_done)
+            return
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(
                 f"pipeline tensor for {msg.describe()} has shape {tuple(tensor.shape)}, expected {self.shape} "

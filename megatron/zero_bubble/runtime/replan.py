@@ -48,6 +48,7 @@ class PlanSettings:
     timers_end_iter: int = 0  # equal to the start: no re-planning
     dump_dir: str | None = None
     initial_costs: Costs | None = None  # None: unit costs
+    post_validation: bool = False  # V passes for the optimizer's post-update validation
 
 
 def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t_comm: float) -> Costs:
@@ -207,7 +208,8 @@ class ReplanningPipeline:
         try:
             if cost_aware or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
-                                                        memory_limit=limit, ilp_time_limit=s.ilp_time_limit))
+                                                        memory_limit=limit, ilp_time_limit=s.ilp_time_limit,
+                                                        post_validation=s.post_validation))
             else:  # a fixed order: only its prediction changes with the costs
                 schedule = Schedule.from_dict(previous.to_dict())
                 schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}

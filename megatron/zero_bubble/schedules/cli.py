@@ -21,6 +21,7 @@ from pathlib import Path
 from .costs import DEFAULT_MW_RATIO, Costs
 from .draw import check_picture_path, comparison_table, draw, draw_stacked, render_text, simulation_report
 from .planners import SCHEDULE_NAMES, PlanRequest, layout_of, natural_chunks, plan
+from .post_validation import with_post_validation
 from .schedule import Schedule, ScheduleError, stage_owner
 from .simulate import Timeline, simulate
 from .validate import validate
@@ -188,6 +189,7 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
         memory_limit_absolute=memory_bytes,
         ilp_time_limit=args.ilp_time_limit,
         progress=progress,
+        post_validation=getattr(args, "post_validation", False),
     )
     started = time.perf_counter()
     try:
@@ -208,6 +210,8 @@ def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
         if isinstance(e, ScheduleError):
             raise
         raise ScheduleError(f"{args.input} is not a schedule JSON ({type(e).__name__}: {e})") from None
+    if getattr(args, "post_validation", False) and not schedule.has_post_validation():
+        schedule = with_post_validation(schedule)
     if costs_given(args):
         costs = build_costs(args, schedule.stages, schedule.chunks, schedule.layout)
     elif isinstance(schedule.info.get("costs"), dict):
@@ -328,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
         sub.add_argument("-o", "--output", help="output file" + (" (.png or .svg)" if cmd == "draw" else ""))
         sub.add_argument("--width", type=int, default=100, help="text picture width (draw without -o)")
+        sub.add_argument("--post-validation", action="store_true",
+                         help="insert the post-validation pass V on every rank (single-layout schedules)")
         sub.set_defaults(run={"export": cmd_export, "simulate": cmd_simulate, "draw": cmd_draw}[cmd])
     sub = commands.add_parser("compare", parents=[common], help="one table of several schedules on the same costs")
     sub.add_argument("--schedules", "--schedule", action="append", help="comma-separated names, or repeat the option")

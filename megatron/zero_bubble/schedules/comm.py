@@ -6,6 +6,8 @@ pair of ranks we fix ONE sequence of messages (by the simulated time they are pr
 post their side of it in that order: sends right after the compute that produces them, receives as
 early as that order allows, so they overlap with compute. `check_lowering` replays the programs under
 those strict rules (a pair's operations complete only head-to-head, in order) and names any deadlock.
+The post-validation pass V sends the validation result one rank down ("valid" messages, see
+post_validation.py); receives a rank needs after its V are posted after it.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from .simulate import Timeline, simulate
 
 @dataclass(frozen=True)
 class Message:
-    """An activation (F output, kind "act") or an input gradient (B output, kind "grad") between stages."""
+    """An activation (F output, kind "act"), an input gradient (B output, kind "grad") between stages, or
+    the validation result (V output, kind "valid", microbatch 0) from a rank to the one below it."""
 
     kind: str
     mb: int
@@ -29,6 +32,8 @@ class Message:
     dst: int
 
     def describe(self) -> str:
+        if self.kind == "valid":
+            return f"the validation result from rank {self.src} to rank {self.dst}"
         what = "activation" if self.kind == "act" else "gradient"
         return f"the {what} of microbatch {self.mb} from stage {self.src_stage} to stage {self.dst_stage}"
 
@@ -52,7 +57,9 @@ def _message(schedule: Schedule, kind: str, mb: int, src_stage: int, dst_stage: 
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
-    """The message a pass sends to another rank, if any (a V's turn stays on its rank: no message)."""
+    """The message a pass sends to another rank, if any (a V layout's turn stays on its rank: no message)."""
+    if p.op == "V":
+        return Message("valid", 0, rank, rank - 1, rank, rank - 1) if rank > 0 else None
     vs = schedule.virtual_stage(rank, p.chunk)
     if p.op == "F" and vs < schedule.num_virtual_stages - 1:
         return _message(schedule, "act", p.mb, vs, vs + 1)
@@ -63,6 +70,9 @@ def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
 
 def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     """The message a pass must receive from another rank before it can run, if any."""
+    if p.op == "V":
+        last = schedule.stages - 1
+        return Message("valid", 0, rank + 1, rank, rank + 1, rank) if rank < last else None
     vs = schedule.virtual_stage(rank, p.chunk)
     if p.op == "F" and vs > 0:
         return _message(schedule, "act", p.mb, vs - 1, vs)
@@ -89,6 +99,7 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
             need = consumed(schedule, rank, t.op)
             if need is not None:
                 consume_index[need] = pos
+    validation_index = {rank: pos for rank, pos, p in schedule.passes() if p.op == "V"}  # position of V
     # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
     slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
     for pair, messages in sorted(pairs.items()):
@@ -97,6 +108,10 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
         for _, _, _, msg in messages:
             send_slot = max(last_slot[msg.src], produce_index[msg] + 1)
             recv_slot = last_slot[msg.dst]
+            v_pos = validation_index.get(msg.dst)
+            if v_pos is not None and consume_index[msg] > v_pos:
+                # A receive posted before V could be matched by a replayed message after a rollback.
+                recv_slot = max(recv_slot, v_pos + 1)
             if recv_slot > consume_index[msg]:
                 raise ScheduleError(
                     f"rank {msg.dst} cannot post the receive of {msg.describe()} before it needs it: "

@@ -2,8 +2,8 @@
 
 `draw` writes PNG or SVG (chosen by the file suffix) with matplotlib, imported only when a picture is
 drawn so the planning layer imports without it: one row per rank, F/B/W/BW as coloured boxes, bubbles
-left blank. `render_text` gives a rough picture for the terminal; `simulation_report` and
-`comparison_table` are the tables `zb-schedule` prints.
+left blank, the post-validation pass V (no duration) as a thin dark marker. `render_text` gives a rough
+picture for the terminal; `simulation_report` and `comparison_table` are the tables `zb-schedule` prints.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from .schedule import ScheduleError
 from .simulate import Timeline
 
 OP_COLOURS = {"F": "#5b9bd5", "B": "#70ad47", "W": "#f4a442", "BW": "#a58bd0"}
-OP_NAMES = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)"}
+OP_NAMES = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)",
+            "V": "V (post-validation)"}
+VALIDATION_COLOUR = "#222222"
 PICTURE_SUFFIXES = (".png", ".svg")
 
 _ROW_INCHES = 0.42  # height of one rank's row
@@ -110,17 +112,25 @@ def _label_font(timeline: Timeline, axes_width_in: float, xmax: float) -> float:
 
 
 def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_unit: str | None) -> None:
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     s = timeline.schedule
     # One broken_barh per (op, chunk, rank): thousands of boxes stay fast to draw.
     groups: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
+    markers: list[tuple[float, int]] = []  # (time, rank) of each V: it takes no time, so no box
     for rank, passes in enumerate(timeline.ranks):
         for t in passes:
-            groups.setdefault((t.op.op, t.op.chunk, rank), []).append((t.start, t.end - t.start))
+            if t.op.op == "V":
+                markers.append((t.start, rank))
+            else:
+                groups.setdefault((t.op.op, t.op.chunk, rank), []).append((t.start, t.end - t.start))
     for (op, chunk, rank), spans in groups.items():
         colour = chunk_colour(op, chunk, s.chunks)
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
+    if markers:
+        ax.vlines([x for x, _ in markers], [r - 0.45 for _, r in markers], [r + 0.45 for _, r in markers],
+                  colors=VALIDATION_COLOUR, linewidth=1.6, zorder=3)
 
     font = _label_font(timeline, axes_width_in, xmax)
     if font >= _MIN_FONT:
@@ -147,6 +157,8 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
         handles += [
             Patch(facecolor=chunk_colour(op, s.chunks - 1, s.chunks), label=f"{op}, chunk {s.chunks - 1}") for op in ops
         ]
+    if markers:
+        handles.append(Line2D([], [], color=VALIDATION_COLOUR, linewidth=1.6, label=OP_NAMES["V"]))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 
@@ -191,7 +203,8 @@ def draw_stacked(timelines: Sequence[Timeline], path: str | Path, time_unit: str
 def render_text(timeline: Timeline, width: int = 100) -> str:
     """A terminal picture: one line per rank, one character per time slice.
 
-    F, B, W and # (fused BW) for chunk 0, lower case f, b, w and + for later chunks, '.' for idle.
+    F, B, W and # (fused BW) for chunk 0, lower case f, b, w and + for later chunks, '.' for idle, and V
+    for the post-validation pass (drawn over whatever else falls in its time slice).
     """
     if width < 10:
         raise ScheduleError(f"text width must be at least 10 characters, got {width}")
@@ -201,9 +214,9 @@ def render_text(timeline: Timeline, width: int = 100) -> str:
     lines = [summary(timeline)]
     for rank, passes in enumerate(timeline.ranks):
         row = ["."] * cols
-        for t in passes:
+        for t in sorted(passes, key=lambda t: t.op.op == "V"):  # V last: it takes no time of its own
             first, last = int(t.start / span * cols), max(int(t.end / span * cols) - 1, int(t.start / span * cols))
-            char = {"F": "F", "B": "B", "W": "W", "BW": "#"}[t.op.op]
+            char = {"F": "F", "B": "B", "W": "W", "BW": "#", "V": "V"}[t.op.op]
             if t.op.chunk:
                 char = char.lower() if char != "#" else "+"
             for c in range(first, min(last, cols - 1) + 1):

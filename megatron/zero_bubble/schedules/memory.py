@@ -10,7 +10,9 @@ from .schedule import Pass, Schedule, ScheduleError, stage_owner
 
 
 def memory_delta(p: Pass, vstage: int, costs: Costs) -> float:
-    """Activation memory a pass adds (F) or frees (B keeps M_W of M_B, W frees M_W, BW frees all)."""
+    """Activation memory a pass adds (F) or frees (B keeps M_W of M_B, W frees M_W, BW frees all; V none)."""
+    if p.op == "V":
+        return 0.0
     if p.op == "F":
         return costs.m_f[vstage]
     if p.op == "B":

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .costs import Costs
+from .post_validation import refuse_unsupported_layout, with_post_validation
 from .schedule import Schedule, ScheduleError
 from .validate import validate
-
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class PlanRequest:
     memory_limit_absolute: float | None = None  # in the costs' memory unit (bytes when costs carry bytes)
     ilp_time_limit: float = 10.0  # seconds; 0 skips the ILP refinement
     progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
+    post_validation: bool = False  # insert the post-validation pass V on every rank (single layout only)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,12 @@ def plan(name: str, request: PlanRequest) -> Schedule:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
     if layout_of(name) == "v" and (request.chunks or 2) != 2:
         raise ScheduleError(f"{name} places exactly 2 chunks per rank (a V), got chunks={request.chunks}")
+    if request.post_validation:  # refuse before planning: the V-shape planners can take a while
+        refuse_unsupported_layout(name, layout_of(name))
     costs = default_costs(request, name)
     schedule = _build(name, request, costs)
+    if request.post_validation:
+        schedule = with_post_validation(schedule)
     timeline = validate(schedule, costs, request.memory_limit, request.memory_limit_absolute)
     schedule.info.setdefault("costs", costs.to_dict())  # the executor orders its messages on these too
     schedule.info.setdefault("predicted", {})

@@ -2,7 +2,8 @@
 
 Passes are F (forward), B (gradient w.r.t. the input), W (gradient w.r.t. the weights) and BW (fused
 backward, as 1F1B runs it). Each names a microbatch and a model chunk; the layout maps (rank, chunk) to a
-virtual stage. The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
+virtual stage. V is the post-validation pass (post_validation.py): one per rank, always Pass("V", 0, 0).
+The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
-OPS = ("F", "B", "W", "BW")
+OPS = ("F", "B", "W", "BW", "V")
 LAYOUTS = ("single", "interleaved", "v")
 
 
@@ -25,9 +26,13 @@ class Pass:
     chunk: int = 0
 
     def __str__(self) -> str:
+        if self.op == "V":
+            return "V"
         return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
     def describe(self) -> str:
+        if self.op == "V":
+            return "the post-validation pass"
         chunk = f" (chunk {self.chunk})" if self.chunk else ""
         return f"{self.op} of microbatch {self.mb}{chunk}"
 
@@ -76,6 +81,9 @@ class Schedule:
 
     def uses_split_backward(self) -> bool:
         return any(p.op in ("B", "W") for passes in self.ranks for p in passes)
+
+    def has_post_validation(self) -> bool:
+        return any(p.op == "V" for passes in self.ranks for p in passes)
 
     def passes(self) -> Iterator[tuple[int, int, Pass]]:
         """(rank, position, pass) for every pass."""

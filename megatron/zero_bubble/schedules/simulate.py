@@ -3,7 +3,8 @@
 Each rank runs its passes in the given order; a pass starts when its rank is free and its
 dependencies have ended (plus T_comm when the dependency ran on another rank).
 Dependencies: F(mb, s) after F(mb, s-1); B(mb, s) after F(mb, s) and B(mb, s+1); W(mb, s) after B(mb, s).
-A BW pass is a B and a W at once.
+A BW pass is a B and a W at once. The post-validation pass V (single layout, vstage = rank) takes no
+time and waits for the V of the next rank: the validation result travels from rank p-1 down to rank 0.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .costs import Costs
 from .memory import memory_profile
 from .schedule import Pass, Schedule, ScheduleError
 
-# A pass's identity across ranks: (kind, microbatch, virtual stage), kind in F, B, W.
+# A pass's identity across ranks: (kind, microbatch, virtual stage), kind in F, B, W, V.
 PassKey = tuple[str, int, int]
 
 
@@ -24,6 +25,8 @@ def provides(p: Pass, vstage: int) -> tuple[PassKey, ...]:
 
 
 def requires(p: Pass, vstage: int, num_vstages: int) -> tuple[PassKey, ...]:
+    if p.op == "V":
+        return (("V", 0, vstage + 1),) if vstage < num_vstages - 1 else ()
     if p.op == "F":
         return (("F", p.mb, vstage - 1),) if vstage > 0 else ()
     if p.op in ("B", "BW"):
@@ -33,6 +36,8 @@ def requires(p: Pass, vstage: int, num_vstages: int) -> tuple[PassKey, ...]:
 
 
 def duration(p: Pass, vstage: int, costs: Costs) -> float:
+    if p.op == "V":
+        return 0.0  # only a message's latency (T_comm); the re-step after a rollback is not planned for
     if p.op == "F":
         return costs.t_f[vstage]
     if p.op == "B":

@@ -1,8 +1,9 @@
 """Check a schedule before anything runs it; every problem is one sentence naming rank, pass and microbatch.
 
-Checks, in order: the shape (ranks, layout, ranges), that every (microbatch, virtual stage) has exactly one
-F and one B and W (or one BW) with W after its B, that the order cannot deadlock (compute dependencies,
-then the lowered send/receive order between neighbouring ranks), and the memory limit.
+Checks, in order: the shape (ranks, layout, ranges), the post-validation passes V if any, that every
+(microbatch, virtual stage) has exactly one F and one B and W (or one BW) with W after its B, that the
+order cannot deadlock (compute dependencies, then the lowered send/receive order between neighbouring
+ranks, and with V the replay after a rollback), and the memory limit.
 """
 from __future__ import annotations
 
@@ -31,10 +32,38 @@ def check_structure(schedule: Schedule) -> None:
     for rank, _, p in s.passes():
         if p.op not in OPS:
             raise ScheduleError(f"rank {rank} has a pass with unknown op {p.op!r}; expected one of {', '.join(OPS)}")
+        if p.op == "V":  # no microbatch of its own: check_post_validation checks it is mb 0, chunk 0
+            continue
         if not 0 <= p.mb < s.microbatches:
             raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
         if not 0 <= p.chunk < s.chunks:
             raise ScheduleError(f"rank {rank} runs {p.describe()}, outside chunks 0..{s.chunks - 1}")
+    if s.has_post_validation():
+        check_post_validation(s)
+
+
+def check_post_validation(schedule: Schedule) -> None:
+    """Exactly one V per rank, Pass("V", 0, 0), before the rank's first B or BW, in the single layout."""
+    from .post_validation import refuse_unsupported_layout
+
+    refuse_unsupported_layout(schedule.name or "(unnamed)", schedule.layout)
+    for rank, passes in enumerate(schedule.ranks):
+        positions = [pos for pos, p in enumerate(passes) if p.op == "V"]
+        if len(positions) != 1:
+            raise ScheduleError(
+                f"rank {rank} runs the post-validation pass {len(positions)} times; it needs exactly one V per rank"
+            )
+        v = passes[positions[0]]
+        if (v.mb, v.chunk) != (0, 0):
+            raise ScheduleError(
+                f"rank {rank}'s post-validation pass names microbatch {v.mb} and chunk {v.chunk}; "
+                f"V is always mb 0, chunk 0"
+            )
+        backward = next((p for p in passes[: positions[0]] if p.op in ("B", "BW")), None)
+        if backward is not None:
+            raise ScheduleError(
+                f"rank {rank} runs {backward.describe()} before its post-validation pass; V must precede every B and BW"
+            )
 
 
 def check_coverage(schedule: Schedule) -> None:
@@ -42,6 +71,8 @@ def check_coverage(schedule: Schedule) -> None:
     for rank, passes in enumerate(schedule.ranks):
         seen: dict[tuple[str, int, int], int] = {}
         for pos, p in enumerate(passes):
+            if p.op == "V":  # no microbatch: check_post_validation covers it
+                continue
             key = (p.op, p.mb, p.chunk)
             if key in seen:
                 raise ScheduleError(f"rank {rank} runs {p.describe()} twice (passes {seen[key]} and {pos})")
@@ -112,7 +143,12 @@ def validate(
     if check_comm:
         from .comm import check_lowering, lower  # the lowering is a separate layer over the same data
 
-        check_lowering(schedule, lower(schedule, costs, timeline))
+        programs = lower(schedule, costs, timeline)
+        check_lowering(schedule, programs)
+        if schedule.has_post_validation():
+            from .post_validation import check_rollback
+
+            check_rollback(schedule, programs)
     limits = rank_memory_limits(
         schedule.stages, schedule.chunks, schedule.layout, costs, memory_limit, memory_limit_absolute
     )

@@ -8,6 +8,7 @@ bad combinations with one line naming the flag and the fix (`StartupRefusal`), t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -24,9 +25,8 @@ DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in th
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
-POST_VALIDATION_REFUSAL = (
-    "--enable-optimizer-post-validation is not available yet (it lands with its own issue); drop the flag"
-)
+# Single-layout schedules: the V pass and its replay are defined for one model chunk per rank.
+POST_VALIDATION_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
 
 
 class StartupRefusal(Exception):
@@ -44,6 +44,8 @@ class ZeroBubbleOptions:
     timers_end_iter: int
     dump_dir: str | None
     ilp_time_limit: float
+    post_validation: bool = False  # speculative optimizer step, validated in the next iteration's V pass
+    exact_rollback: bool = False
 
 
 # ---------------------------------------------------------------- flags
@@ -100,7 +102,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        "--num-layers not divisible by 2 x --pipeline-model-parallel-size is refused with a "
                        "message naming the nearest valid layer counts.")
     group.add_argument("--enable-optimizer-post-validation", action="store_true",
-                       help="Not available yet (lands with its own issue); refused at start-up.")
+                       help="No cross-stage synchronisation before the optimizer step: each stage steps "
+                       "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "
+                       "come back in the next iteration's warm-up, which rolls the step back (and re-steps "
+                       "clipped, replaying what ran on the speculative weights) when needed. Steps with inf/NaN "
+                       "gradients are skipped in every precision. Needs zb-h1, zb-h2, zb-auto or 1f1b through "
+                       "the runtime.")
+    group.add_argument("--zero-bubble-exact-rollback", action="store_true",
+                       help="With --enable-optimizer-post-validation: keep a copy of the parameters and optimizer "
+                       "state at each speculative step so that a rollback restores them bit for bit (default: "
+                       "invert the update in place, exact to a few ulps, no extra memory).")
     entry = parser.add_argument_group("pretrain_gpt.py")
     entry.add_argument("--init-weights-by-global-name", action="store_true",
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "
@@ -329,13 +340,50 @@ def refuse(message: str) -> None:
 def check(args) -> ZeroBubbleOptions | None:
     """All start-up checks on parsed (not yet megatron-validated) arguments; None without zero bubble."""
     check_without_zero_bubble(args)
-    if args.enable_optimizer_post_validation:
-        raise StartupRefusal(POST_VALIDATION_REFUSAL)
+    if args.zero_bubble_exact_rollback and not args.enable_optimizer_post_validation:
+        raise StartupRefusal("--zero-bubble-exact-rollback only applies to --enable-optimizer-post-validation; "
+                             "add that flag or drop it")
     schedule, flag = chosen_schedule(args)
     if schedule is None:
+        if args.enable_optimizer_post_validation:
+            raise StartupRefusal("--enable-optimizer-post-validation needs a zero-bubble runtime schedule; add "
+                                 "--enable-zero-bubble (or --pipeline-schedule zb-h1 / zb-h2) or drop the flag")
         _refuse_runtime_only_flags(args, "no zero-bubble schedule is chosen; add --enable-zero-bubble or drop")
         return None
-    return check_zero_bubble(args, schedule, flag)
+    options = check_zero_bubble(args, schedule, flag)
+    if args.enable_optimizer_post_validation:
+        check_post_validation(args, options, flag)
+        options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)
+    return options
+
+
+def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
+    """What the speculative step and its rollback support; everything else is refused here."""
+    if options.schedule not in POST_VALIDATION_SCHEDULES or not options.through_runtime:
+        raise StartupRefusal(
+            f"--enable-optimizer-post-validation works with {', '.join(POST_VALIDATION_SCHEDULES)} through the "
+            f"zero-bubble runtime, not with {flag}; pick one of those or drop the flag")
+    unsupported = {
+        "use_distributed_optimizer": "the distributed optimizer's rollback is not implemented",
+        "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
+        "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
+        "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
+        "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
+    }
+    for name, why in unsupported.items():
+        if getattr(args, name, False):
+            raise StartupRefusal(
+                f"--{name.replace('_', '-')} does not work with --enable-optimizer-post-validation ({why}); "
+                f"drop one of them")
+    if args.optimizer not in ("adam", "sgd"):
+        raise StartupRefusal(
+            f"--enable-optimizer-post-validation rolls back adam and sgd steps, not --optimizer {args.optimizer}; "
+            f"use one of those or drop the flag")
+    coupled_decay = args.optimizer == "adam" and not getattr(args, "decoupled_weight_decay", True)
+    if coupled_decay and args.weight_decay and not args.zero_bubble_exact_rollback:
+        raise StartupRefusal(
+            "Adam with coupled weight decay cannot be inverted in place; add --zero-bubble-exact-rollback "
+            "(or use decoupled weight decay)")
 
 
 def parse_and_validate():

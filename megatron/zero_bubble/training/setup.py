@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 
 from ..schedules.planners import layout_of, natural_chunks
 from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
@@ -47,6 +48,7 @@ def plan_settings(args, options: ZeroBubbleOptions):
         schedule=options.schedule, stages=p, chunks=chunks, memory_limit=options.memory_limit,
         ilp_time_limit=options.ilp_time_limit, timers_start_iter=options.timers_start_iter,
         timers_end_iter=options.timers_end_iter, dump_dir=options.dump_dir, initial_costs=costs,
+        post_validation=options.post_validation,
     )
 
 
@@ -63,13 +65,36 @@ def _current_iteration() -> int:
     return get_args().curr_iteration
 
 
+def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
+    """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
+    from megatron.core import parallel_state
+
+    from ..patches import optimizer_step
+    from ..runtime import optimizer_rollback
+    from ..runtime.post_validation import PostValidation
+
+    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+    for leaf in leaves:
+        reason = None if exact else optimizer_rollback.inverse_unsupported_reason(leaf.optimizer)
+        if reason is not None:
+            raise SystemExit(f"pretrain_gpt.py: error: --enable-optimizer-post-validation: {reason}")
+    controller = PostValidation(
+        optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
+        stage_group=parallel_state.get_tensor_model_parallel_group(), exact=exact, scheduler=scheduler,
+    )
+    optimizer_step.install(controller, model)
+    pipeline.executor.post_validation = controller
+    _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
+    return controller
+
+
 @contextlib.contextmanager
 def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     """Install what `options` needs for the duration of the block (nothing for megatron's own schedules)."""
     if options is None or not options.through_runtime:
         yield None
         return
-    from ..patches import linear_wgrad, schedule_selection, vshape_layout
+    from ..patches import linear_wgrad, optimizer_step, post_validation_training, schedule_selection, vshape_layout
     from ..runtime.replan import ReplanningPipeline
 
     pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0)
@@ -82,8 +107,12 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         if options.schedule in SPLIT_BACKWARD_SCHEDULES:
             linear_wgrad.install()
         schedule_selection.install(pipeline)
+        if options.post_validation:
+            post_validation_training.install(partial(_attach_post_validation, pipeline, options.exact_rollback))
         yield pipeline
     finally:
+        post_validation_training.uninstall()
+        optimizer_step.uninstall()
         pipeline.release()
         schedule_selection.uninstall()
         linear_wgrad.uninstall()

@@ -1,0 +1,52 @@
+"""Route megatron's optimizer step through post-update validation (--enable-optimizer-post-validation).
+
+Instance-level and reversible: the optimizer's `step`/`zero_grad` and each DDP chunk's
+`zero_grad_buffer` go through a `PostValidation` (zeroing waits for validation, since a re-step needs the
+gradients), and megatron.training's two model-parallel reductions after the step (success flag and grad
+norm, over a group that spans every pipeline stage) are kept within the stage.
+"""
+from __future__ import annotations
+
+import sys
+
+from ._patching import Patcher, check_megatron_core_version
+
+_patcher = Patcher("optimizer_step")
+
+
+def install(controller, model_chunks: list) -> None:
+    """Make `controller` (a runtime.post_validation.PostValidation) own the optimizer's step."""
+    check_megatron_core_version()
+    if _patcher.installed:
+        uninstall()
+    optimizer = controller.optimizer
+    zero_grad_original = optimizer.zero_grad
+    _patcher.replace(optimizer, "step", controller.step)
+    _patcher.replace(optimizer, "zero_grad", lambda *a, **k: controller.defer_or_run(zero_grad_original, *a, **k))
+    for chunk in model_chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            original = chunk.zero_grad_buffer
+            _patcher.replace(chunk, "zero_grad_buffer", lambda original=original: controller.defer_or_run(original))
+    training = sys.modules.get("megatron.training.training")
+    if training is not None:
+        for name in ("logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group"):
+            _patcher.replace(training, name, _within_stage(getattr(training, name), controller))
+
+
+def _within_stage(reduction, controller):
+    """The same reduction over this stage's tensor-parallel ranks only: the last stage's values are final."""
+
+    def reduce_within_stage(value, group=None):
+        return reduction(value, group=controller.stage_group)
+
+    return reduce_within_stage
+
+
+def uninstall() -> None:
+    _patcher.restore()
+
+
+def installed_controller(optimizer):
+    """The PostValidation in charge of `optimizer`'s step, or None."""
+    owner = getattr(optimizer.step, "__self__", None)
+    return owner if _patcher.installed and owner is not optimizer else None

@@ -1,0 +1,303 @@
+"""Post-update validation of the optimizer step: no cross-stage synchronisation before stepping.
+
+Megatron's step all-reduces the gradient norm and the inf/NaN flag over the model-parallel group, every
+pipeline stage included, which keeps the next iteration from starting before the slowest stage ends.
+Here (paper, "bypassing optimizer synchronizations") stage r receives the partial sums from stage r-1,
+adds its own squared norm (already reduced over its tensor-parallel group, as megatron does), passes them
+on and steps speculatively unless the partial sums already show inf/NaN or a needed clip. The last stage
+holds the full sums; they travel back to every stage in the next iteration's V pass, where `validate`
+rolls a speculative step back (and re-steps with the clip coefficient) when needed and tells the
+executor whether the passes that ran before V, on speculative weights, must be replayed.
+
+The sums are carried per stage and added in descending stage order, the order gloo's all-reduce of one
+element uses, so the full norm equals megatron's on gloo with TP=1; elsewhere it may differ by an ulp.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import optimizer_rollback
+
+# Layout of the summary tensor that travels between stages: squared norms s_0..s_{p-1}, then these.
+NONFINITE, SPECULATIVE, PENDING = range(-3, 0)
+
+
+def summary_size(stages: int) -> int:
+    return stages + 3
+
+
+@dataclass
+class _Pending:
+    """What stage r did in its step, kept until the full sums arrive."""
+
+    state: str  # "stepped" (speculatively), "deferred" (partial needs a clip), "skipped" (inf/NaN), "exact"
+    hyperparameters: list  # per leaf optimizer: [(lr, weight_decay)] per param group at step time
+    undo: list  # per leaf optimizer: a Snapshot (exact) or a StepRecord (in-place inverse), "stepped" only
+    scheduler_steps: int | None  # the LR scheduler's num_steps before train_step advanced it
+
+
+@dataclass
+class Outcome:
+    """The verdict on one step, for logging and tests."""
+
+    grad_norm: float
+    state: str  # what this stage did at the step: stepped, deferred, skipped or exact (see _Pending)
+    nonfinite: bool
+    clipped: bool
+    rolled_back: bool  # this stage undid a speculative step
+    replay: bool  # every stage replays the passes it ran before V
+
+
+@dataclass
+class PostValidation:
+    """Speculative optimizer steps for one pipeline rank, validated one iteration later.
+
+    optimizer: megatron-core's (FP32Optimizer, Float16OptimizerWithFloat16Params or a ChainedOptimizer
+    of those); pp_group: this rank's pipeline group; stage_group: the ranks megatron reduces gradient
+    statistics over within this stage (the tensor-parallel group); exact: keep snapshots for bit-exact
+    rollback instead of inverting the update in place.
+    """
+
+    optimizer: object
+    pp_group: object
+    stage_group: object = None
+    exact: bool = False
+    scheduler: object = None
+    zero_grad_owed: list = field(default_factory=list)  # deferred zero_grad calls, run after validation
+    pending: _Pending | None = None
+    final: torch.Tensor | None = None  # the full sums, on the last stage, until sent in the next V
+    last_outcome: Outcome | None = None
+    rollbacks: int = 0  # speculative steps this stage undid
+    rolled_back_steps: int = 0  # on the last stage: steps that some stage undoes (known there at once)
+    _partial_send: object = None
+
+    def __post_init__(self):
+        self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
+        self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
+
+    # -- the step (replaces optimizer.step()) --------------------------------------------------------
+    @torch.no_grad()
+    def step(self):
+        """Megatron's (success, grad_norm, num_zeros); grad_norm is known (and returned) on the last stage only."""
+        if self.pending is not None:
+            raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
+        nonfinite = self._prepare_grads()
+        local = torch.stack([self._squared_norm(), torch.tensor(float(nonfinite), device=self.device)])
+        if self.stage_group is not None and dist.get_world_size(self.stage_group) > 1:
+            dist.all_reduce(local, group=self.stage_group)
+        summary = torch.zeros(summary_size(self.stages), dtype=torch.float, device=self.device)
+        if self.stage > 0:
+            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
+        summary[self.stage] = local[0]
+        summary[NONFINITE] = max(float(summary[NONFINITE]), float(local[1] > 0 or not torch.isfinite(local[0])))
+        last = self.stage == self.stages - 1
+        norm = self._norm(summary[: self.stage + 1])
+        clip = self._needs_clip(norm)
+        state = "skipped" if summary[NONFINITE] > 0 else "exact" if last else "deferred" if clip else "stepped"
+        summary[SPECULATIVE] += float(state == "stepped")
+        pending = _Pending(state, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
+        if not last:  # pass the partial sums on before stepping, so the next stage need not wait for it
+            self._partial_send = dist.isend(
+                summary, dst=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group
+            )
+        if state == "stepped":
+            pending.undo = [self._keep_for_undo(leaf.optimizer) for leaf in self.leaves]
+        if state in ("stepped", "exact"):
+            if clip:
+                self._clip(norm)
+            self._step_leaves()
+        self.pending = pending
+        if last:
+            summary[PENDING] = 1
+            self.final = summary
+            self._update_loss_scale(state == "skipped")
+            self.last_outcome = Outcome(norm, state, state == "skipped", clip and state != "skipped", False, False)
+            if (clip or state == "skipped") and summary[SPECULATIVE] > 0:
+                self.rolled_back_steps += 1
+        success = state != "skipped"
+        reported_norm = norm if last and self.clip_grad > 0 else None
+        return success, (None if state == "skipped" else reported_norm), None
+
+    # -- the validation (the V pass) -----------------------------------------------------------------
+    def own_summary(self) -> torch.Tensor:
+        """What the last stage sends in its V pass: the full sums of the pending step, or 'nothing pending'."""
+        if self.final is None:
+            return torch.zeros(summary_size(self.stages), dtype=torch.float, device=self.device)
+        final, self.final = self.final, None
+        return final
+
+    @torch.no_grad()
+    def validate(self, summary: torch.Tensor) -> bool:
+        """Apply the verdict of the full sums to this stage's pending step; True when passes must be replayed."""
+        if self._partial_send is not None:
+            self._partial_send.wait()
+            self._partial_send = None
+        if summary[PENDING] == 0:
+            if self.pending is not None:
+                raise RuntimeError("optimizer post-validation: stages disagree on whether a step is pending")
+            self._run_owed_zero_grad()
+            return False
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise RuntimeError("optimizer post-validation: a validation arrived for no pending step")
+        nonfinite = bool(summary[NONFINITE] > 0)
+        norm = self._norm(summary[: self.stages])
+        clip = not nonfinite and self._needs_clip(norm)
+        rolled_back = False
+        if pending.state == "stepped" and (nonfinite or clip):
+            self._undo(pending)
+            rolled_back = True
+            self.rollbacks += 1
+        if pending.state in ("stepped", "deferred") and not nonfinite and (clip or pending.state == "deferred"):
+            if clip:
+                self._clip(norm)
+            with self._hyperparameters_of(pending):
+                self._step_leaves()
+        if nonfinite and pending.state in ("stepped", "deferred"):
+            self._undo_scheduler_increment(pending)
+        if self.stage < self.stages - 1:
+            self._update_loss_scale(nonfinite)
+            self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
+        replay = clip or (nonfinite and summary[SPECULATIVE] > 0)
+        self.last_outcome.replay = bool(replay)
+        self.last_outcome.rolled_back = rolled_back
+        self._run_owed_zero_grad()
+        return bool(replay)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Validate the pending step outside any schedule (before evaluation, checkpointing or the end).
+
+        Every rank must call it at the same point; the sums travel p-1 -> 0 with plain send/recv."""
+        if self.stage == self.stages - 1:
+            summary = self.own_summary()
+        else:
+            summary = torch.empty(summary_size(self.stages), dtype=torch.float, device=self.device)
+            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group)
+        if self.stage > 0:
+            dist.send(summary, dst=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
+        self.validate(summary)  # nothing ran on the speculative weights since the step: no replay
+
+    @property
+    def has_pending(self) -> bool:
+        return self.pending is not None
+
+    # -- deferred gradient zeroing -------------------------------------------------------------------
+    def defer_or_run(self, zero_grad, *args, **kwargs) -> None:
+        """Gradients must survive until validation (a re-step needs them): zero them then."""
+        if self.pending is None:
+            zero_grad(*args, **kwargs)
+        else:
+            self.zero_grad_owed.append((zero_grad, args, kwargs))
+
+    def _run_owed_zero_grad(self) -> None:
+        owed, self.zero_grad_owed = self.zero_grad_owed, []
+        for zero_grad, args, kwargs in owed:
+            zero_grad(*args, **kwargs)
+
+    # -- pieces of megatron's step, kept stage-local -------------------------------------------------
+    def _prepare_grads(self) -> bool:
+        """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready, local inf flag."""
+        nonfinite = False
+        for leaf in self.leaves:
+            if getattr(leaf, "is_stub_optimizer", False):
+                continue
+            if hasattr(leaf, "_copy_model_grads_to_main_grads"):  # fp16 / bf16 with fp32 main params
+                leaf._copy_model_grads_to_main_grads()
+                if leaf.grad_scaler is not None:
+                    leaf.found_inf.fill_(0.0)
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        leaf._collect_main_grad_data_for_unscaling(), leaf.found_inf, leaf.grad_scaler.inv_scale
+                    )
+                    nonfinite = nonfinite or bool(leaf.found_inf.item() > 0)
+            else:
+                leaf.prepare_grads()  # FP32Optimizer: param.grad = param.main_grad, no communication
+        return nonfinite
+
+    def _squared_norm(self) -> torch.Tensor:
+        """This rank's sum of squared gradients, computed as megatron's get_grad_norm_fp32 does before reducing."""
+        from megatron.core.optimizer import clip_grads
+
+        grads = self.optimizer.get_grads_for_grad_norm()
+        if not grads:
+            return torch.zeros((), dtype=torch.float, device=self.device)
+        overflow = torch.zeros(1, dtype=torch.int, device=self.device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+        return (norm**2.0).reshape(()).float()
+
+    @staticmethod
+    def _norm(squares: torch.Tensor) -> float:
+        total = squares[-1].clone()
+        for value in reversed(squares[:-1]):  # descending stage order (see the module docstring)
+            total = total + value
+        return total.item() ** 0.5
+
+    def _needs_clip(self, norm: float) -> bool:
+        # Megatron's rule: scale by clip / (norm + 1e-6) when that is below 1 (monotone in the partial sums).
+        return self.clip_grad > 0.0 and not math.isnan(norm) and self.clip_grad / (norm + 1.0e-6) < 1.0
+
+    def _clip(self, norm: float) -> None:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for leaf in self.leaves:
+            params = leaf.get_parameters()
+            if leaf.config.clip_grad > 0.0 and params:
+                clip_grad_by_total_norm_fp32(params, leaf.config.clip_grad, norm)
+
+    def _step_leaves(self) -> None:
+        for leaf in self.leaves:
+            if not getattr(leaf, "is_stub_optimizer", False):
+                leaf.step_with_ready_grads()  # steps and copies main params to the model's fp16/bf16 ones
+
+    def _keep_for_undo(self, torch_optimizer):
+        return optimizer_rollback.snapshot(torch_optimizer) if self.exact else optimizer_rollback.prepare(torch_optimizer)
+
+    def _undo(self, pending: _Pending) -> None:
+        with self._hyperparameters_of(pending):
+            for leaf, kept in zip(self.leaves, pending.undo):
+                if self.exact:
+                    optimizer_rollback.restore(leaf.optimizer, kept)
+                else:
+                    optimizer_rollback.invert(leaf.optimizer, kept)
+                if hasattr(leaf, "_copy_main_params_to_model_params"):
+                    leaf._copy_main_params_to_model_params()
+
+    def _hyperparameters(self) -> list:
+        return [[(g["lr"], g.get("weight_decay", 0.0)) for g in leaf.optimizer.param_groups] for leaf in self.leaves]
+
+    @contextlib.contextmanager
+    def _hyperparameters_of(self, pending: _Pending):
+        """Re-step or undo with the learning rate and weight decay of the step (the scheduler moved on since)."""
+        now = self._hyperparameters()
+        self._set_hyperparameters(pending.hyperparameters)
+        try:
+            yield
+        finally:
+            self._set_hyperparameters(now)
+
+    def _set_hyperparameters(self, values: list) -> None:
+        for leaf, groups in zip(self.leaves, values):
+            for group, (lr, wd) in zip(leaf.optimizer.param_groups, groups):
+                group["lr"] = lr
+                if "weight_decay" in group:
+                    group["weight_decay"] = wd
+
+    def _undo_scheduler_increment(self, pending: _Pending) -> None:
+        """train_step advanced the LR schedule for a step that, in the end, did not happen."""
+        if self.scheduler is None or pending.scheduler_steps is None:
+            return
+        increment = self.scheduler.num_steps - pending.scheduler_steps
+        if increment:
+            self.scheduler.step(increment=-increment)
+
+    def _update_loss_scale(self, nonfinite: bool) -> None:
+        for leaf in self.leaves:
+            if getattr(leaf, "grad_scaler", None) is not None:
+                leaf.grad_scaler.update(nonfinite)

@@ -1,0 +1,68 @@
+"""Replay the start of an iteration exactly: the same microbatches and the same random state.
+
+When post-validation redoes the previous optimizer step, the passes that ran before the V pass used
+speculative weights and are run again. The replay must consume the microbatches those passes consumed
+(not the next ones) and draw the same dropout masks, so the result equals a run that never speculated.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class _Recording:
+    """An iterator that remembers what it handed out, and can hand it out again after `rewind()`."""
+
+    def __init__(self, iterator):
+        self.iterator = iterator
+        self.seen: list = []
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.position < len(self.seen):
+            item = self.seen[self.position]
+        else:
+            item = next(self.iterator)
+            self.seen.append(item)
+        self.position += 1
+        return item
+
+    def rewind(self) -> None:
+        self.position = 0
+
+
+def _capture_rng() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "cpu": torch.get_rng_state(),
+        "tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["cpu"])
+    get_cuda_rng_tracker().set_states({name: s.clone() for name, s in state["tracker"].items()})
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Rewind:
+    """Taken at the start of an iteration; `rewind()` puts data and random state back to that point."""
+
+    def __init__(self, iterators: list):
+        self.iterators = [None if it is None else _Recording(it) for it in iterators]
+        self.rng = _capture_rng()
+
+    def rewind(self) -> None:
+        for it in self.iterators:
+            if it is not None:
+                it.rewind()
+        _restore_rng(self.rng)

@@ -1,0 +1,127 @@
+"""The post-validation pass V: the optimizer step leaves the critical path (paper, "Bypassing the
+optimizer synchronisation").
+
+Every rank steps its optimizer speculatively at the end of iteration n. The fully reduced state (grad
+norm, inf/NaN flag) then travels from rank p-1 down to rank 0 during the warm-up of iteration n+1: V on
+rank r receives it from rank r+1 (rank p-1 has it already), validates, maybe rolls back and re-steps, and
+sends it on to rank r-1. V sits right before the rank's first B (or BW): everything before it is warm-up
+F work, so the wait for the result hides behind the warm-up of the ranks above.
+
+After a rollback every pass a rank ran before its V used speculative weights. Each rank then runs its
+`RollbackProgram`: `after_validation` (pass the result on, drain the stale messages the other ranks sent
+before their V), then `restart` (its whole program again, same message identities). `check_rollback`
+proves this path cannot deadlock under the in-order matching of comm.check_lowering.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+from .comm import Action, Message, Recv, Send, check_lowering
+from .schedule import Pass, Schedule, ScheduleError
+
+VALIDATION = Pass("V", 0, 0)
+
+
+def refuse_unsupported_layout(name: str, layout: str) -> None:
+    """Post-validation needs one stage per rank: the result walks down the ranks once, before any B."""
+    if layout != "single":
+        raise ScheduleError(
+            f"post-validation supports only the 'single' layout, but schedule '{name}' uses the {layout!r} layout"
+        )
+
+
+def with_post_validation(schedule: Schedule) -> Schedule:
+    """A copy with one V on each rank right before its first B or BW (at the end if it has none)."""
+    name = schedule.name or "(unnamed)"
+    refuse_unsupported_layout(name, schedule.layout)
+    if schedule.has_post_validation():
+        raise ScheduleError(f"schedule '{name}' ({schedule.layout} layout) already has post-validation passes")
+    ranks = []
+    for passes in schedule.ranks:
+        first_backward = next((i for i, p in enumerate(passes) if p.op in ("B", "BW")), len(passes))
+        ranks.append(passes[:first_backward] + [VALIDATION] + passes[first_backward:])
+    info = copy.deepcopy(schedule.info)
+    info["post_validation"] = True
+    return replace(schedule, ranks=ranks, info=info)
+
+
+@dataclass
+class RollbackProgram:
+    """What one rank runs after its V when the validation rolled the optimizer step back."""
+
+    after_validation: list[Action]  # send the result on, receive-and-discard stale messages, in order
+    restart: list[Action]  # the whole program again, without V and its messages
+
+
+def _validation_position(program: list[Action], rank: int) -> int:
+    positions = [i for i, item in enumerate(program) if isinstance(item, Pass) and item.op == "V"]
+    if len(positions) != 1:
+        raise ScheduleError(f"rank {rank}'s program has {len(positions)} post-validation passes; it needs exactly one")
+    return positions[0]
+
+
+def pre_validation_messages(programs: list[list[Action]]) -> set[Message]:
+    """Messages whose sender posts the Send before the sender's own V (computed on speculative weights)."""
+    stale = set()
+    for rank, program in enumerate(programs):
+        v = _validation_position(program, rank)
+        stale |= {item.msg for item in program[:v] if isinstance(item, Send)}
+    return stale
+
+
+def _is_validation(item: Action) -> bool:
+    """V itself, or a Send/Recv of the validation result: neither is replayed after a rollback."""
+    if isinstance(item, Pass):
+        return item.op == "V"
+    return item.msg.kind == "valid"
+
+
+def rollback_programs(schedule: Schedule, programs: list[list[Action]]) -> list[RollbackProgram]:
+    """Per rank, the drain after V and the program to restart from, given comm.lower's programs."""
+    if len(programs) != schedule.stages:
+        raise ScheduleError(f"got {len(programs)} rank programs for a schedule of {schedule.stages} stages")
+    stale = pre_validation_messages(programs)
+    out = []
+    for rank, program in enumerate(programs):
+        v = _validation_position(program, rank)
+        after = [
+            item
+            for item in program[v + 1 :]
+            if (isinstance(item, Send) and item.msg.kind == "valid") or (isinstance(item, Recv) and item.msg in stale)
+        ]
+        restart = [item for item in program if not _is_validation(item)]
+        out.append(RollbackProgram(after, restart))
+    return out
+
+
+def _renumbered(item: Action, offset: int) -> Action:
+    """The same action for microbatch mb + offset: a replay is told apart from the stale original."""
+    if isinstance(item, Pass):
+        return replace(item, mb=item.mb + offset)
+    return type(item)(replace(item.msg, mb=item.msg.mb + offset))
+
+
+def check_rollback(schedule: Schedule, programs: list[list[Action]]) -> None:
+    """Prove that a rollback cannot deadlock: replay V, the drain and the restart (as microbatches m..2m-1).
+
+    Rank r runs its program up to and including V, then `after_validation`, then `restart` with every
+    microbatch renumbered mb + m. The drained stale receives are matched by the Sends the other ranks
+    posted before their V and are never consumed by a pass, which check_lowering allows.
+    """
+    m = schedule.microbatches
+    rollbacks = rollback_programs(schedule, programs)
+    ranks, replayed = [], []
+    for rank, (program, rollback) in enumerate(zip(programs, rollbacks)):
+        v = _validation_position(program, rank)
+        restart = [_renumbered(item, m) for item in rollback.restart]
+        replayed.append(program[: v + 1] + rollback.after_validation + restart)
+        ranks.append([item for item in replayed[-1] if isinstance(item, Pass)])
+    synthetic = replace(schedule, microbatches=2 * m, ranks=ranks, info={})
+    try:
+        check_lowering(synthetic, replayed)
+    except ScheduleError as e:
+        raise ScheduleError(
+            f"after a rollback, schedule '{schedule.name or '(unnamed)'}' cannot replay its passes "
+            f"(microbatch {m} + i is the replay of microbatch i): {e}"
+        ) from None

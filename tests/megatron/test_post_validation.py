@@ -1,0 +1,247 @@
+"""Optimizer post-validation on megatron-core (CPU, gloo): the same parameters as the synchronous step.
+
+One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP=2 x PP=2): several
+iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B schedule and
+synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
+"""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from tests.megatron import harness
+from tests.megatron.harness import Layout, ModelSpec
+
+SPEC = ModelSpec()
+# The tiny model's grad norm is 0.5-0.95 over the first iterations: 1000 never clips; 0.6 clips most
+# steps, some after early stages stepped on partial sums below it (rollback), some before (deferred).
+NO_CLIP, CLIP = 1000.0, 0.6
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+               "barrier", "reduce", "all_to_all_single", "all_gather_object")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    label: str
+    layout: Layout
+    post_validation: bool
+    clip: float = NO_CLIP
+    exact: bool = False
+    inject: tuple[int, int] | None = None  # (iteration, pipeline stage) that gets an inf gradient
+    iterations: int = 6
+    microbatches: int = 8
+    dropout: float = 0.0
+    optimizer: str = "adam"
+
+
+@functools.lru_cache(maxsize=None)
+def _schedule(stages, microbatches, post_validation):
+    from megatron.zero_bubble.schedules.planners import PlanRequest, plan
+
+    request = PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0, post_validation=post_validation)
+    return plan("zb-h1", request)
+
+
+def _record_collectives(log: list):
+    """Wrap torch.distributed's collectives so that each call logs the global ranks of its group."""
+    import torch.distributed as dist
+
+    originals = {}
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def recorded(*args, _original=original, _name=name, **kwargs):
+            group = kwargs.get("group")
+            log.append((_name, tuple(dist.get_process_group_ranks(group)) if group is not None else
+                        tuple(range(dist.get_world_size()))))
+            return _original(*args, **kwargs)
+
+        originals[name] = original
+        setattr(dist, name, recorded)
+    return originals
+
+
+def _run_case(case: Case) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.zero_bubble.patches import linear_wgrad, optimizer_step, schedule_selection
+    from megatron.zero_bubble.runtime.executor import PipelineExecutor
+    from megatron.zero_bubble.runtime.post_validation import PostValidation
+
+    harness.init_parallel_state(case.layout.tp, case.layout.pp)
+    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(SPEC, init_seed=0, hidden_dropout=case.dropout))
+    settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
+    optimizer = harness.make_optimizer(chunks, OptimizerConfig(optimizer=case.optimizer, weight_decay=0.01,
+                                                               clip_grad=case.clip, **settings))
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    stage_of_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(stage_of_rank, stage)
+    controller = None
+    if case.post_validation:
+        controller = PostValidation(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                                    stage_group=parallel_state.get_tensor_model_parallel_group(), exact=case.exact)
+        optimizer_step.install(controller, chunks)
+        linear_wgrad.install()
+        schedule_selection.install(PipelineExecutor(
+            lambda m: _schedule(case.layout.pp, m, True), post_validation=controller))
+    losses, step_collectives, outcomes = {}, [], []
+    try:
+        m = case.microbatches
+        for it in range(case.iterations):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            step_losses = harness.run_forward_backward(chunks, SPEC, m, it * m)
+            losses.update({(it, k): v for k, v in step_losses.items()})
+            if controller is not None and controller.last_outcome is not None and it > 0:
+                outcomes.append(dataclasses.asdict(controller.last_outcome))  # the verdict on step it-1
+            injected = case.inject is not None and case.inject[0] == it
+            if injected and case.inject[1] == stage:
+                next(p for p in chunks[0].parameters()).main_grad.view(-1)[0] = float("inf")
+            if injected and not case.post_validation:
+                continue  # the synchronous reference skips this step
+            originals = _record_collectives(step_collectives)
+            try:
+                optimizer.step()
+            finally:
+                for name, original in originals.items():
+                    setattr(dist, name, original)
+        if controller is not None:
+            controller.flush()
+            outcomes.append(dataclasses.asdict(controller.last_outcome))
+        return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses,
+                "params": harness.full_params(chunks), "collectives": step_collectives,
+                "stage_of_rank": stage_of_rank, "outcomes": outcomes,
+                "rollbacks": controller.rollbacks if controller is not None else 0}
+    finally:
+        schedule_selection.uninstall()
+        optimizer_step.uninstall()
+        linear_wgrad.uninstall()
+
+
+PP4, PP2, TP2 = Layout(pp=4), Layout(pp=2), Layout(tp=2, pp=2)
+CASES = [
+    Case("pp4/sync", PP4, False),
+    Case("pp4/pv", PP4, True),
+    Case("pp4/sync/inf", PP4, False, inject=(2, 1)),
+    Case("pp4/sync/inf/3", PP4, False, inject=(2, 1), iterations=3),
+    Case("pp4/pv/inf/3", PP4, True, inject=(2, 1), iterations=3),
+    Case("pp4/pv/inf/exact", PP4, True, exact=True, inject=(2, 1)),
+    Case("pp4/sync/clip", PP4, False, clip=CLIP, iterations=10, dropout=0.1),
+    Case("pp4/pv/clip", PP4, True, clip=CLIP, iterations=10, dropout=0.1),
+    Case("pp4/pv/clip/exact", PP4, True, clip=CLIP, exact=True, iterations=10, dropout=0.1),
+    Case("pp4/sync/clip/sgd", PP4, False, clip=CLIP, iterations=10, optimizer="sgd"),
+    Case("pp4/pv/clip/sgd", PP4, True, clip=CLIP, iterations=10, optimizer="sgd"),
+    Case("pp2/sync/clip", PP2, False, clip=CLIP),
+    Case("pp2/pv/clip/exact", PP2, True, clip=CLIP, exact=True),
+    Case("pp2/pv", PP2, True),
+    Case("pp2/sync", PP2, False),
+    Case("tp2xpp2/sync", TP2, False),
+    Case("tp2xpp2/pv", TP2, True),
+]
+
+
+def _all_cases():
+    return {case.label: _run_case(case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    results = harness.spawn(_all_cases, 4, timeout=900)
+    return {case.label: [r[case.label] for r in results] for case in CASES}
+
+
+def _merged(per_rank):
+    merged = {}
+    for r in per_rank:
+        replica = merged.setdefault(r["dp_rank"], {"losses": {}, "params": {}})
+        replica["losses"].update(r["losses"])
+        replica["params"].update(r["params"])
+    return merged
+
+
+def _ulps_at_scale(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference in ulps of the tensor's largest magnitude (raw ulps explode where values pass 0)."""
+    spacing = torch.nextafter(b.abs().max(), torch.tensor(float("inf"))) - b.abs().max()
+    return float((a - b).abs().max() / spacing)
+
+
+def _max_ulps(ours, reference) -> float:
+    ours, reference = _merged(ours), _merged(reference)
+    return max(_ulps_at_scale(ours[dp]["params"][n], p) for dp in reference for n, p in reference[dp]["params"].items())
+
+
+def _assert_identical(ours, reference, losses=True):
+    ours, reference = _merged(ours), _merged(reference)
+    assert ours.keys() == reference.keys()
+    for dp in reference:
+        if losses:
+            assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
+        assert ours[dp]["params"].keys() == reference[dp]["params"].keys()
+        for name, value in reference[dp]["params"].items():
+            assert torch.equal(ours[dp]["params"][name], value), f"parameter {name} differs"
+
+
+@pytest.mark.parametrize("layout", ["pp4", "pp2", "tp2xpp2"])
+def test_without_inf_or_clipping_parameters_are_bit_identical_to_the_synchronous_step(reports, layout):
+    _assert_identical(reports[f"{layout}/pv"], reports[f"{layout}/sync"])
+    assert all(r["rollbacks"] == 0 for r in reports[f"{layout}/pv"])
+
+
+def test_an_injected_inf_skips_the_step_on_every_stage_with_exact_rollback(reports):
+    _assert_identical(reports["pp4/pv/inf/exact"], reports["pp4/sync/inf"])
+    by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/inf/exact"]}
+    assert by_stage[0]["rollbacks"] == 1  # stage 0 had stepped before the inf on stage 1 was known
+    assert all(by_stage[s]["rollbacks"] == 0 for s in (1, 2, 3))
+    verdicts = [o["nonfinite"] for o in by_stage[3]["outcomes"]]
+    assert verdicts == [False, False, True, False, False, False]
+
+
+def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
+    ulps = _max_ulps(reports["pp4/pv/inf/3"], reports["pp4/sync/inf/3"])
+    print(f"\npp4 inf at iteration 3 of 3, Adam step undone in place: max {ulps:.2f} ulps (at each tensor's scale)")
+    assert 0 < ulps <= 2
+
+
+@pytest.mark.parametrize("label, reference", [("pp4/pv/clip/exact", "pp4/sync/clip"), ("pp2/pv/clip/exact", "pp2/sync/clip")])
+def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
+    _assert_identical(reports[label], reports[reference])
+    stages = max(r["pp_rank"] for r in reports[label]) + 1
+    for r in reports[label]:
+        outcomes = r["outcomes"]
+        assert any(o["clipped"] for o in outcomes) and all(o["replay"] == o["clipped"] for o in outcomes)
+        expected = [o["clipped"] and o["state"] == "stepped" for o in outcomes]
+        assert [o["rolled_back"] for o in outcomes] == expected and r["rollbacks"] == sum(expected)
+    assert sum(r["rollbacks"] for r in reports[label] if r["pp_rank"] < stages - 1) > 0
+
+
+def test_clipping_with_the_in_place_inverse_stays_within_a_few_ulps_after_ten_sgd_iterations(reports):
+    ulps = _max_ulps(reports["pp4/pv/clip/sgd"], reports["pp4/sync/clip/sgd"])
+    print(f"\npp4 clipped SGD steps, in-place inverse: max {ulps:.2f} ulps (at each tensor's scale) after 10 iterations")
+    assert 0 < ulps <= 8  # about an ulp per undone step, see test_optimizer_rollback
+    assert sum(r["rollbacks"] for r in reports["pp4/pv/clip/sgd"]) > 0
+
+
+def test_clipping_with_the_in_place_inverse_under_adam_is_reported_after_ten_iterations(reports):
+    """Adam amplifies last-bit differences (elements whose m crosses 0 change their update sign): the inverse's
+    ulp grows in later steps as any perturbation would. Reported; the losses stay equal to 6 digits."""
+    ulps = _max_ulps(reports["pp4/pv/clip"], reports["pp4/sync/clip"])
+    ours, reference = _merged(reports["pp4/pv/clip"])[0]["losses"], _merged(reports["pp4/sync/clip"])[0]["losses"]
+    worst = max(abs(ours[k] - v) / abs(v) for k, v in reference.items())
+    print(f"\npp4 clipped Adam steps, in-place inverse: max {ulps:.1f} ulps (at each tensor's scale) after 10 "
+          f"iterations; largest relative loss difference {worst:.1e}")
+    assert ours.keys() == reference.keys() and worst < 1e-6
+
+
+def test_no_collective_spans_more_than_one_pipeline_stage_during_the_step(reports):
+    for label in ("pp4/pv", "pp4/pv/clip", "tp2xpp2/pv", "pp2/pv"):
+        for r in reports[label]:
+            stage_of = r["stage_of_rank"]
+            spans = {(name, ranks) for name, ranks in r["collectives"] if len({stage_of[x] for x in ranks}) > 1}
+            assert not spans, f"{label}: cross-stage collectives during the step: {spans}"
+    assert any(name == "all_reduce" for name, _ in reports["tp2xpp2/pv"][0]["collectives"])  # the TP reduction
+    # and the check can fail: megatron's synchronous step reduces across stages
+    sync = reports["tp2xpp2/sync"][0]
+    assert any(len({sync["stage_of_rank"][x] for x in ranks}) > 1 for _, ranks in sync["collectives"])
