@@ -1,8 +1,9 @@
 """Runtime benchmark on CPU: megatron's 1F1B vs the zero-bubble schedules through our executor (PP=2, gloo).
 
 Prints, in one run: the median iteration time of each schedule and its ratio to megatron's 1F1B, next
-to the simulator's prediction from the pass times profiled in the same run; and T_B + T_W of the split
-backward against the fused backward T_BW.
+to the simulator's prediction from the pass times profiled in the same run; T_B + T_W of the split
+backward against the fused backward T_BW; and whole training iterations (forward-backward + Adam step,
+no barrier between iterations) with megatron's synchronous step against optimizer post-validation.
     python benchmarks/runtime_cpu.py [--iterations 6] [--hidden 512] [--microbatches 8]
 """
 from __future__ import annotations
@@ -19,13 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.megatron import harness  # noqa: E402  (spawn and the deterministic tiny GPT)
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+POST_VALIDATION_SCHEDULES = ("zb-h1", "zb-h2")
 
 
-def _plan(name: str, stages: int, microbatches: int):
+def _plan(name: str, stages: int, microbatches: int, post_validation: bool = False):
     """The schedule that runs (planned for uniform costs; deterministic, so main() rebuilds the same one)."""
     from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 
-    return plan(name, PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0))
+    return plan(name, PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0,
+                                  post_validation=post_validation))
 
 
 def _time_iterations(chunks, spec, m, iterations):
@@ -42,6 +45,62 @@ def _time_iterations(chunks, spec, m, iterations):
         if it:
             times.append(time.perf_counter() - start)
     return times
+
+
+def _time_training(chunks, optimizer, spec, m, iterations, flush=None) -> float:
+    """Seconds per training iteration over `iterations` back-to-back ones (after one warm-up), as a loop runs them."""
+    import torch
+
+    def one(it):
+        optimizer.zero_grad()
+        harness.run_forward_backward(chunks, spec, m, it * m)
+        optimizer.step()
+
+    one(0)
+    if flush is not None:
+        flush()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    for it in range(1, iterations + 1):
+        one(it)
+    if flush is not None:
+        flush()
+    torch.distributed.barrier()
+    return (time.perf_counter() - start) / iterations
+
+
+def training_scenario(spec, m: int, iterations: int) -> dict:
+    """Per schedule: seconds per iteration with megatron's synchronous step and with post-validation."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.zero_bubble.patches import linear_wgrad, optimizer_step, schedule_selection
+    from megatron.zero_bubble.runtime.executor import PipelineExecutor
+    from megatron.zero_bubble.runtime.post_validation import PostValidation
+
+    harness.init_parallel_state(pp=2)
+    chunks = harness.build_gpt_chunks(spec)
+    config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1000.0)
+    linear_wgrad.install()
+    executor = PipelineExecutor(lambda _: None)
+    schedule_selection.install(executor)
+    seconds = {}
+    for name in POST_VALIDATION_SCHEDULES:
+        for post_validation in (False, True):
+            optimizer = harness.make_optimizer(chunks, config)
+            schedule = _plan(name, 2, m, post_validation)
+            executor.plan_for, flush = (lambda _: schedule), None
+            if post_validation:
+                controller = PostValidation(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                                            stage_group=parallel_state.get_tensor_model_parallel_group())
+                optimizer_step.install(controller, chunks)
+                executor.post_validation, flush = controller, controller.flush
+            seconds[(name, post_validation)] = _time_training(chunks, optimizer, spec, m, iterations, flush)
+            optimizer_step.uninstall()
+            executor.post_validation = None
+    schedule_selection.uninstall()
+    executor.release()
+    linear_wgrad.uninstall()
+    return {"rank": parallel_state.get_pipeline_model_parallel_rank(), "seconds": seconds}
 
 
 def _comm_time(shape) -> float:
@@ -89,6 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--skip-training", action="store_true", help="only the forward-backward comparisons")
     args = parser.parse_args(argv)
     spec = harness.ModelSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
                              seq_length=args.seq_length, vocab_size=1024, micro_batch_size=2)
@@ -121,6 +181,15 @@ def main(argv=None) -> None:
         split = r["passes"]["zb-h1"]["B"] + r["passes"]["zb-h1"]["W"]
         print(f"  rank {r['rank']}: T_B + T_W = {split:.4f}  T_BW = {fused:.4f}  overhead {100 * (split / fused - 1):+.1f}%"
               f"  (goal <= +5%)")
+    if args.skip_training:
+        return
+    loop = harness.spawn(training_scenario, 2, spec, m, args.iterations, timeout=1800)
+    seconds = loop[0]["seconds"]
+    print(f"\ntraining iterations (forward-backward + Adam step, back to back, s per iteration):")
+    print(f"{'schedule':<16}{'synchronous':>13}{'post-valid.':>13}{'gain':>8}")
+    for name in POST_VALIDATION_SCHEDULES:
+        sync, post = seconds[(name, False)], seconds[(name, True)]
+        print(f"{name:<16}{sync:>13.4f}{post:>13.4f}{100 * (sync / post - 1):>+7.1f}%")
 
 
 if __name__ == "__main__":

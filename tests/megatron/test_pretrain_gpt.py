@@ -34,6 +34,11 @@ TRAIN = (
     "--log-interval 1 --log-params-norm --eval-iters 1 --eval-interval 3"
 ).split()
 PP4 = ["--pipeline-model-parallel-size", "4"]
+# Post-validation runs: no --log-params-norm (refused with it); untied embeddings and --clip-grad 1.0 make the
+# early stages' partial norms stay below the clip while the full norm exceeds it, so steps are rolled back.
+TRAIN_PV = [flag for flag in TRAIN if flag != "--log-params-norm"]
+PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
+POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact")
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
 
@@ -56,7 +61,16 @@ def _runs(work: str) -> dict[str, list[str]]:
                            "--enable-zero-bubble", *ILP],
         "dp2pp2/megatron": ["--pipeline-model-parallel-size", "2"],
         "dp2pp2/zb-h2": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2"],
+        "pp4/megatron/clip": PP4 + PV_MODEL,
+        "pp4/zb-h1/post-validation": PP4 + PV_MODEL + ["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"],
+        "pp4/zb-auto/post-validation-exact": PP4 + PV_MODEL + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
+                                                               "--zero-bubble-exact-rollback", *ILP],
     }
+
+
+def _command_lines(work: str) -> dict[str, list[str]]:
+    return {label: MODEL + (TRAIN_PV if label in POST_VALIDATION_RUNS else TRAIN) + flags
+            for label, flags in _runs(work).items()}
 
 
 # ---------------------------------------------------------------- parsing megatron's log
@@ -112,7 +126,7 @@ def runs(work_dir) -> dict[str, str]:
     """label -> the combined output of all ranks of that run (4-rank launch of this file as the driver)."""
     plan = os.path.join(work_dir, "runs.json")
     with open(plan, "w") as f:
-        json.dump({"common": MODEL + TRAIN, "runs": _runs(work_dir), "out": work_dir}, f)
+        json.dump({"runs": _command_lines(work_dir), "out": work_dir}, f)
     done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=600)
     logs = {}
     for label in _runs(work_dir):
@@ -150,7 +164,7 @@ def drive(plan_path: str) -> None:
     plan = json.load(open(plan_path))
     rank = int(os.environ["RANK"])
     for label, flags in plan["runs"].items():
-        sys.argv = ["pretrain_gpt.py", *plan["common"], *flags]
+        sys.argv = ["pretrain_gpt.py", *flags]
         with open(os.path.join(plan["out"], _log_name(label, rank)), "w") as out, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             try:
@@ -206,6 +220,16 @@ def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losse
     _same_training(runs["pp4/interleaved-runtime"], runs["pp4/interleaved"])
     assert "zero-bubble: running interleaved-1f1b" in runs["pp4/interleaved-runtime"]
     assert "zero-bubble:" not in runs["pp4/interleaved"]
+
+
+@pytest.mark.parametrize("run", ["pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact"])
+def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run):
+    _same_training(runs[run], runs["pp4/megatron/clip"])
+    assert validation_losses(runs[run]) == validation_losses(runs["pp4/megatron/clip"]) != []
+    rollbacks = [int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", runs[run])]
+    assert len(rollbacks) == ITERS and sum(rollbacks) >= 1  # the first step is rolled back and re-stepped
+    assert "number of optimizer rollbacks" not in runs["pp4/megatron/clip"]
+    assert "optimizer post-validation on" in runs[run]
 
 
 @pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
@@ -311,8 +335,16 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "distributed optimizer on CPU": (PP4 + ["--enable-zero-bubble", "--use-distributed-optimizer"], 4,
                                      ["--use-distributed-optimizer", "CPU"]),
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
-    "optimizer post-validation": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
-                                  ["--enable-optimizer-post-validation", "its own issue"]),
+    "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
+                                                ["--log-params-norm", "--enable-optimizer-post-validation"]),
+    "post-validation with zb-v": (PP4 + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation"], 4,
+                                  ["--enable-optimizer-post-validation", "--zero-bubble-v-schedule"]),
+    "post-validation without a schedule": (PP4 + ["--enable-optimizer-post-validation"], 4,
+                                           ["--enable-optimizer-post-validation", "--enable-zero-bubble"]),
+    "exact rollback without post-validation": (PP4 + ["--enable-zero-bubble", "--zero-bubble-exact-rollback"], 4,
+                                               ["--zero-bubble-exact-rollback", "--enable-optimizer-post-validation"]),
+    "post-validation with megatron's own schedule": (PP4 + ["--pipeline-schedule", "1f1b", "--enable-optimizer-post-validation"],
+                                                     4, ["--enable-optimizer-post-validation", "--pipeline-schedule 1f1b"]),
     "one-chunk schedule with a virtual pipeline": (PP4 + ["--pipeline-schedule", "zb-h2", "--num-virtual-stages-per-pipeline-rank",
                                                           "2"], 4, ["--pipeline-schedule zb-h2", "one model chunk"]),
     "runtime flag with PP=1": (["--enable-zb-runtime"], 1, ["--enable-zb-runtime", "--pipeline-model-parallel-size"]),
