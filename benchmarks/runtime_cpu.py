@@ -52,6 +52,8 @@ def _time_training(chunks, optimizer, spec, m, iterations, flush=None) -> float:
     import torch
 
     def one(it):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         harness.run_forward_backward(chunks, spec, m, it * m)
         optimizer.step()
@@ -78,7 +80,7 @@ def training_scenario(spec, m: int, iterations: int) -> dict:
     from megatron.zero_bubble.runtime.post_validation import PostValidation
 
     harness.init_parallel_state(pp=2)
-    chunks = harness.build_gpt_chunks(spec)
+    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(spec))
     config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1000.0)
     linear_wgrad.install()
     executor = PipelineExecutor(lambda _: None)
