@@ -332,6 +332,7 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                              "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
     "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),
     "zero bubble with PP=1": (["--enable-zero-bubble"], 1, ["--enable-zero-bubble", "--pipeline-model-parallel-size"]),
+    "bf16 on CPU": (PP4 + ["--enable-zero-bubble", "--bf16"], 4, ["--bf16", "CPU"]),
     "distributed optimizer on CPU": (PP4 + ["--enable-zero-bubble", "--use-distributed-optimizer"], 4,
                                      ["--use-distributed-optimizer", "CPU"]),
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),

@@ -222,6 +222,11 @@ def check_without_zero_bubble(args) -> None:
         )
     if args.transformer_impl == "transformer_engine":
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+    for precision in ("bf16", "fp16"):
+        if getattr(args, precision, False):
+            raise StartupRefusal(
+                f"--{precision} does not work on CPU (megatron's mixed-precision optimizer expects CUDA tensors); "
+                f"drop the flag for CPU runs")
 
 
 def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
