@@ -7,6 +7,7 @@ Patches (each needed on some CPU code path; see /work/shared/reference/megatron-
 - the RNG tracker's `_get_cuda_rng_state` / `_set_cuda_rng_state` act on the CPU generator (its `add`
   already goes through the patched `torch.cuda` of tensor_parallel/random.py);
 - `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert;
+- the bf16/fp16 optimizer's constructor sees CUDA type names for CPU tensors (it sorts params by them);
 - `LanguageModule.setup_embeddings_and_output_layer` runs with `.cuda()` as identity (tied embeddings
   across pipeline stages move the output-layer copy with `weight.data.cuda()`);
 - the tracker's warning "CPU RNG state changed within GPU RNG context" is filtered out of its logger:
@@ -42,6 +43,7 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
     "megatron.core.optimizer.optimizer",  # found_inf / scale flags on device="cuda"
     "megatron.core.optimizer.clip_grads",  # norm accumulators on device="cuda"
+    "megatron.core.optimizer.grad_scaler",  # the fp16 loss scale and its counters on device="cuda"
     "megatron.core.rerun_state_machine",  # result checks on device="cuda", CUDA RNG state save/restore
 )
 
@@ -81,6 +83,7 @@ class CoreCpuBackend:
             self._patch_rng_tracker()
             self._patch_clip_grads()
             self._patch_tied_embedding_setup()
+            self._patch_float16_optimizer()
         except BaseException:
             self.patcher.restore()
             raise
@@ -134,6 +137,31 @@ class CoreCpuBackend:
         module_class = language_module.LanguageModule
         wrapped = with_cuda_calls_on_cpu(module_class.setup_embeddings_and_output_layer)
         self.patcher.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
+
+    def _patch_float16_optimizer(self) -> None:
+        # Its constructor sorts parameters by `param.type()` names ('torch.cuda.BFloat16Tensor', ...), which
+        # CPU tensors never have; inside it alone, type() reports the CUDA name of a CPU tensor's type.
+        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+        optimizer_class = optimizer.Float16OptimizerWithFloat16Params
+        original_init = optimizer_class.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            tensor_type = torch.Tensor.type
+
+            def cuda_type_name(tensor, *type_args, **type_kwargs):
+                name = tensor_type(tensor, *type_args, **type_kwargs)
+                if type_args or type_kwargs or tensor.device.type != "cpu":
+                    return name
+                return name.replace("torch.", "torch.cuda.", 1)
+
+            torch.Tensor.type = cuda_type_name
+            try:
+                original_init(self, *args, **kwargs)
+            finally:
+                torch.Tensor.type = tensor_type
+
+        self.patcher.replace(optimizer_class, "__init__", __init__)
 
 
 BACKEND = CoreCpuBackend()

@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         # seconds per process for no gain at CPU sizes).
         parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
                             no_persist_layer_norm=True, transformer_impl="local",
-                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False)
+                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
+                            masked_softmax_fusion=False)  # its fp16/bf16 kernel is CUDA-only
     return parser
 
 
@@ -222,11 +223,6 @@ def check_without_zero_bubble(args) -> None:
         )
     if args.transformer_impl == "transformer_engine":
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
-    for precision in ("bf16", "fp16"):
-        if getattr(args, precision, False):
-            raise StartupRefusal(
-                f"--{precision} does not work on CPU (megatron's mixed-precision optimizer expects CUDA tensors); "
-                f"drop the flag for CPU runs")
 
 
 def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
