@@ -43,7 +43,9 @@ PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1e6"]}
 ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
 POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
-                        *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS))
+                        *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
+                        "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed")
+DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
 
@@ -74,6 +76,9 @@ def _runs(work: str) -> dict[str, list[str]]:
         **{f"pp4/post-validation/{precision}": PP4 + PV_MODEL + flags + ROLLBACK[precision] + [
             "--pipeline-schedule", "zb-h2", "--enable-optimizer-post-validation"]
            for precision, flags in PRECISIONS.items()},
+        "dp2pp2/megatron/distributed": DISTRIBUTED,
+        "dp2pp2/post-validation/distributed": DISTRIBUTED + ["--pipeline-schedule", "zb-h1",
+                                                             "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
     }
 
 
@@ -257,6 +262,12 @@ def test_optimizer_post_validation_with_mixed_precision_prints_megatrons_iterati
     assert "number of optimizer rollbacks:   1" in ours
 
 
+def test_optimizer_post_validation_with_the_distributed_optimizer_prints_megatrons_losses(runs):
+    _same_training(runs["dp2pp2/post-validation/distributed"], runs["dp2pp2/megatron/distributed"])
+    assert validation_losses(runs["dp2pp2/post-validation/distributed"]) == validation_losses(
+        runs["dp2pp2/megatron/distributed"]) != []
+
+
 @pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
 def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run):
     _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
@@ -357,8 +368,9 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                              "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
     "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),
     "zero bubble with PP=1": (["--enable-zero-bubble"], 1, ["--enable-zero-bubble", "--pipeline-model-parallel-size"]),
-    "distributed optimizer on CPU": (PP4 + ["--enable-zero-bubble", "--use-distributed-optimizer"], 4,
-                                     ["--use-distributed-optimizer", "CPU"]),
+    "post-validation with overlapped parameter gathers": (
+        PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--use-distributed-optimizer",
+               "--overlap-param-gather"], 4, ["--overlap-param-gather", "--enable-optimizer-post-validation"]),
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
     "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
                                                 ["--log-params-norm", "--enable-optimizer-post-validation"]),

@@ -29,6 +29,10 @@ from ._patching import Patcher, PatchError, check_megatron_core_version
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
+CUDA_TYPE_NAMES_IN_CONSTRUCTORS = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+)
 RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 
 # Modules whose functions on the CPU path use torch.cuda.* or device="cuda"; why, in one line each.
@@ -43,6 +47,7 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
     "megatron.core.optimizer.optimizer",  # found_inf / scale flags on device="cuda"
     "megatron.core.optimizer.clip_grads",  # norm accumulators on device="cuda"
+    "megatron.core.optimizer.distrib_optimizer",  # shard buffers and checkpoint gathers on the current device
     "megatron.core.optimizer.grad_scaler",  # the fp16 loss scale and its counters on device="cuda"
     "megatron.core.rerun_state_machine",  # result checks on device="cuda", CUDA RNG state save/restore
 )
@@ -83,7 +88,7 @@ class CoreCpuBackend:
             self._patch_rng_tracker()
             self._patch_clip_grads()
             self._patch_tied_embedding_setup()
-            self._patch_float16_optimizer()
+            self._patch_cuda_type_names()
         except BaseException:
             self.patcher.restore()
             raise
@@ -138,30 +143,33 @@ class CoreCpuBackend:
         wrapped = with_cuda_calls_on_cpu(module_class.setup_embeddings_and_output_layer)
         self.patcher.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
 
-    def _patch_float16_optimizer(self) -> None:
-        # Its constructor sorts parameters by `param.type()` names ('torch.cuda.BFloat16Tensor', ...), which
-        # CPU tensors never have; inside it alone, type() reports the CUDA name of a CPU tensor's type.
-        optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-        optimizer_class = optimizer.Float16OptimizerWithFloat16Params
-        original_init = optimizer_class.__init__
+    def _patch_cuda_type_names(self) -> None:
+        # The mixed-precision and distributed optimizers sort parameters by `param.type()` names
+        # ('torch.cuda.BFloat16Tensor', ...) in their constructors, which CPU tensors never have; inside those
+        # constructors alone, type() reports the CUDA name of a CPU tensor's type.
+        for module_name, class_name in CUDA_TYPE_NAMES_IN_CONSTRUCTORS:
+            owner = getattr(importlib.import_module(module_name), class_name)
+            self.patcher.replace(owner, "__init__", _with_cuda_type_names(owner.__init__))
 
-        @functools.wraps(original_init)
-        def __init__(self, *args, **kwargs):
-            tensor_type = torch.Tensor.type
 
-            def cuda_type_name(tensor, *type_args, **type_kwargs):
-                name = tensor_type(tensor, *type_args, **type_kwargs)
-                if type_args or type_kwargs or tensor.device.type != "cpu":
-                    return name
-                return name.replace("torch.", "torch.cuda.", 1)
+def _with_cuda_type_names(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        tensor_type = torch.Tensor.type
 
-            torch.Tensor.type = cuda_type_name
-            try:
-                original_init(self, *args, **kwargs)
-            finally:
-                torch.Tensor.type = tensor_type
+        def cuda_type_name(tensor, *type_args, **type_kwargs):
+            name = tensor_type(tensor, *type_args, **type_kwargs)
+            if type_args or type_kwargs or tensor.device.type != "cpu":
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
 
-        self.patcher.replace(optimizer_class, "__init__", __init__)
+        torch.Tensor.type = cuda_type_name
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = tensor_type
+
+    return wrapper
 
 
 BACKEND = CoreCpuBackend()

@@ -209,7 +209,9 @@ class PipelineExecutor:
             config=config, forward_step_func=forward_step_func, num_microbatches=num_microbatches,
             cp_size=pg_collection.cp.size(), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            transport=PipelineTransport(pp_group, tuple(shape), config.pipeline_dtype, device), device=device,
+            transport=PipelineTransport(pp_group, tuple(shape), config.pipeline_dtype, device,
+                                        validation_numel=self.post_validation.size if self.post_validation else 0),
+            device=device,
             stores=self._stores_for(chunks), rollback=rollback, rewind=rewind,
         )
         if config.timers is not None:

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.comm import Message
-from .post_validation import summary_size
 
 
 class PipelineTransport:
-    def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 validation_numel: int = 0):
         self.group = pp_group
+        self.validation_numel = validation_numel  # the optimizer's validation sums (post_validation.py)
         self.shape, self.dtype, self.device = shape, dtype, device
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object]] = {}
@@ -24,8 +25,8 @@ class PipelineTransport:
         return dist.get_global_rank(self.group, group_rank)
 
     def post_recv(self, msg: Message) -> None:
-        if msg.kind == "valid":  # the optimizer's validation sums (post_validation.py): fp32, one per stage
-            buffer = torch.empty(summary_size(self.group.size()), dtype=torch.float, device=self.device)
+        if msg.kind == "valid":
+            buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.device)
         else:  # megatron receives activations and gradients into leaf tensors that require grad
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
         self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer)

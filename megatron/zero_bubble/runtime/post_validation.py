@@ -9,8 +9,10 @@ holds the full sums; they travel back to every stage in the next iteration's V p
 rolls a speculative step back (and re-steps with the clip coefficient) when needed and tells the
 executor whether the passes that ran before V, on speculative weights, must be replayed.
 
-The sums are carried per stage and added in descending stage order, the order gloo's all-reduce of one
-element uses, so the full norm equals megatron's on gloo with TP=1; elsewhere it may differ by an ulp.
+The squared norms travel per rank of megatron's statistics group (model-parallel ranks; every rank with
+the distributed optimizer) and are added in descending rank order, the order gloo's all-reduce of one
+element uses (checked at 4 ranks), so the full norm equals megatron's on gloo; with NCCL it may differ by
+an ulp (so may clipped steps with the exact rollback).
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ import torch.distributed as dist
 
 from . import optimizer_rollback
 
-# Layout of the summary tensor that travels between stages: squared norms s_0..s_{p-1}, then these.
+# Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
+# group (in its rank order), then these three.
 NONFINITE, SPECULATIVE, PENDING = range(-3, 0)
 
 
-def summary_size(stages: int) -> int:
-    return stages + 3
+def summary_size(stats_ranks: int) -> int:
+    return stats_ranks + 3
 
 
 @dataclass
@@ -57,15 +60,17 @@ class Outcome:
 class PostValidation:
     """Speculative optimizer steps for one pipeline rank, validated one iteration later.
 
-    optimizer: megatron-core's (FP32Optimizer, Float16OptimizerWithFloat16Params or a ChainedOptimizer
-    of those); pp_group: this rank's pipeline group; stage_group: the ranks megatron reduces gradient
-    statistics over within this stage (the tensor-parallel group); exact: keep snapshots for bit-exact
-    rollback instead of inverting the update in place.
+    optimizer: megatron-core's (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer or
+    a ChainedOptimizer of those); pp_group: this rank's pipeline group; stats_group: the group megatron
+    reduces gradient statistics over (its model-parallel group; the world with the distributed optimizer);
+    stage_group: the part of it in this stage (tensor-parallel ranks; with the distributed optimizer also
+    the data-parallel ones); exact: keep snapshots for bit-exact rollback instead of inverting in place.
     """
 
     optimizer: object
     pp_group: object
     stage_group: object = None
+    stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
     exact: bool = False
     scheduler: object = None
     zero_grad_owed: list = field(default_factory=list)  # deferred zero_grad calls, run after validation
@@ -78,6 +83,9 @@ class PostValidation:
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
+        self.stats_ranks = dist.get_process_group_ranks(self.stats_group or self.pp_group)
+        self.stage_ranks = dist.get_process_group_ranks(self.stage_group) if self.stage_group is not None else [dist.get_rank()]
+        self.size = summary_size(len(self.stats_ranks))
         self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
@@ -89,16 +97,20 @@ class PostValidation:
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
         nonfinite = self._prepare_grads()
-        local = torch.stack([self._squared_norm(), torch.tensor(float(nonfinite), device=self.device)])
-        if self.stage_group is not None and dist.get_world_size(self.stage_group) > 1:
-            dist.all_reduce(local, group=self.stage_group)
-        summary = torch.zeros(summary_size(self.stages), dtype=torch.float, device=self.device)
+        squares = self._squared_norm()
+        local = torch.stack([squares, torch.tensor(float(nonfinite or not torch.isfinite(squares)), device=self.device)])
+        gathered = [local]
+        if len(self.stage_ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
+            gathered = [torch.empty_like(local) for _ in self.stage_ranks]
+            dist.all_gather(gathered, local, group=self.stage_group)
+        summary = torch.zeros(self.size, dtype=torch.float, device=self.device)
         if self.stage > 0:
             dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
-        summary[self.stage] = local[0]
-        summary[NONFINITE] = max(float(summary[NONFINITE]), float(local[1] > 0 or not torch.isfinite(local[0])))
+        for rank, value in zip(self.stage_ranks, gathered):
+            summary[self.stats_ranks.index(rank)] = value[0]
+            summary[NONFINITE] = max(float(summary[NONFINITE]), float(value[1]))
         last = self.stage == self.stages - 1
-        norm = self._norm(summary[: self.stage + 1])
+        norm = self._norm(summary[:NONFINITE])
         clip = self._needs_clip(norm)
         state = "skipped" if summary[NONFINITE] > 0 else "exact" if last else "deferred" if clip else "stepped"
         summary[SPECULATIVE] += float(state == "stepped")
@@ -129,7 +141,7 @@ class PostValidation:
     def own_summary(self) -> torch.Tensor:
         """What the last stage sends in its V pass: the full sums of the pending step, or 'nothing pending'."""
         if self.final is None:
-            return torch.zeros(summary_size(self.stages), dtype=torch.float, device=self.device)
+            return torch.zeros(self.size, dtype=torch.float, device=self.device)
         final, self.final = self.final, None
         return final
 
@@ -148,7 +160,7 @@ class PostValidation:
         if pending is None:
             raise RuntimeError("optimizer post-validation: a validation arrived for no pending step")
         nonfinite = bool(summary[NONFINITE] > 0)
-        norm = self._norm(summary[: self.stages])
+        norm = self._norm(summary[:NONFINITE])
         clip = not nonfinite and self._needs_clip(norm)
         rolled_back = False
         if pending.state == "stepped" and (nonfinite or clip):
@@ -179,7 +191,7 @@ class PostValidation:
         if self.stage == self.stages - 1:
             summary = self.own_summary()
         else:
-            summary = torch.empty(summary_size(self.stages), dtype=torch.float, device=self.device)
+            summary = torch.empty(self.size, dtype=torch.float, device=self.device)
             dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group)
         if self.stage > 0:
             dist.send(summary, dst=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
@@ -235,7 +247,7 @@ class PostValidation:
     @staticmethod
     def _norm(squares: torch.Tensor) -> float:
         total = squares[-1].clone()
-        for value in reversed(squares[:-1]):  # descending stage order (see the module docstring)
+        for value in reversed(squares[:-1]):  # descending rank order (see the module docstring)
             total = total + value
         return total.item() ** 0.5
 
@@ -268,6 +280,8 @@ class PostValidation:
                     optimizer_rollback.invert(leaf.optimizer, kept)
                 if hasattr(leaf, "_copy_main_params_to_model_params"):
                     leaf._copy_main_params_to_model_params()
+                if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
+                    leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 
     def _hyperparameters(self) -> list:
         return [[(g["lr"], g.get("weight_decay", 0.0)) for g in leaf.optimizer.param_groups] for leaf in self.leaves]

@@ -216,11 +216,6 @@ def check_without_zero_bubble(args) -> None:
         return
     if args.distributed_backend != "gloo":
         raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
-    if args.use_distributed_optimizer:
-        raise StartupRefusal(
-            "--use-distributed-optimizer does not work on CPU (megatron's distributed optimizer expects CUDA "
-            "tensors); drop the flag for CPU runs"
-        )
     if args.transformer_impl == "transformer_engine":
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
 
@@ -365,7 +360,7 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
             f"--enable-optimizer-post-validation works with {', '.join(POST_VALIDATION_SCHEDULES)} through the "
             f"zero-bubble runtime, not with {flag}; pick one of those or drop the flag")
     unsupported = {
-        "use_distributed_optimizer": "the distributed optimizer's rollback is not implemented",
+        "overlap_param_gather": "the next forward would gather speculative parameters before validation",
         "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
         "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
