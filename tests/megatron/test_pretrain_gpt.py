@@ -368,6 +368,9 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                              "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
     "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),
     "zero bubble with PP=1": (["--enable-zero-bubble"], 1, ["--enable-zero-bubble", "--pipeline-model-parallel-size"]),
+    "post-validation with result validation": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
+                                                       "--rerun-mode", "validate_results"], 4,
+                                                ["--rerun-mode validate_results", "--rerun-mode disabled"]),
     "post-validation with overlapped parameter gathers": (
         PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--use-distributed-optimizer",
                "--overlap-param-gather"], 4, ["--overlap-param-gather", "--enable-optimizer-post-validation"]),

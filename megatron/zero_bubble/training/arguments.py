@@ -316,6 +316,11 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
         raise StartupRefusal(f"{flag}: {error}") from None
 
 
+def _given(flag: str) -> bool:
+    """Whether the command line names `flag` itself (not just its default)."""
+    return any(word == flag or word.startswith(flag + "=") for word in sys.argv[1:])
+
+
 def megatron_defaults(options: ZeroBubbleOptions | None) -> dict:
     """Values handed to megatron as `args_defaults` (used only where the command line leaves them unset)."""
     if options is not None and options.schedule is not None and natural_chunks(options.schedule) > 1:
@@ -359,6 +364,11 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
         raise StartupRefusal(
             f"--enable-optimizer-post-validation works with {', '.join(POST_VALIDATION_SCHEDULES)} through the "
             f"zero-bubble runtime, not with {flag}; pick one of those or drop the flag")
+    if _given("--rerun-mode") and args.rerun_mode != "disabled":
+        raise StartupRefusal(
+            f"--rerun-mode {args.rerun_mode} all-reduces over every rank after each forward-backward, the barrier "
+            f"--enable-optimizer-post-validation removes (without --rerun-mode it is switched off); use "
+            f"--rerun-mode disabled or drop one of them")
     unsupported = {
         "overlap_param_gather": "the next forward would gather speculative parameters before validation",
         "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
@@ -394,6 +404,9 @@ def parse_and_validate():
     except StartupRefusal as refusal:
         refuse(str(refusal))
     args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options))
+    if options is not None and options.post_validation:
+        # megatron's default result validation reduces over every rank each iteration: a global barrier
+        args.rerun_mode = "disabled"
     if args.padded_vocab_size is None:  # megatron's FLOP count reads it; the model needs it
         from megatron.training import get_tokenizer
         from megatron.training.vocab_utils import calculate_padded_vocab_size
