@@ -371,6 +371,12 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "post-validation with result validation": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
                                                        "--rerun-mode", "validate_results"], 4,
                                                 ["--rerun-mode validate_results", "--rerun-mode disabled"]),
+    "post-validation in place with tied embeddings": (
+        PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
+        ["tied embeddings", "--zero-bubble-exact-rollback", "--untie-embeddings-and-output-weights"], MODEL + TRAIN_PV),
+    "post-validation with multi-token prediction": (
+        PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--mtp-num-layers", "1"], 4,
+        ["--mtp-num-layers", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
     "post-validation with overlapped parameter gathers": (
         PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--use-distributed-optimizer",
                "--overlap-param-gather"], 4, ["--overlap-param-gather", "--enable-optimizer-post-validation"]),
@@ -401,7 +407,7 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
 def refusals(work_dir) -> dict:
     cases = os.path.join(work_dir, "cases.json")
     with open(cases, "w") as f:
-        json.dump({label: (BASE + flags, world) for label, (flags, world, _) in REFUSALS.items()}, f)
+        json.dump({label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}, f)
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "refusals", cases], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=300)
     line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)

@@ -22,7 +22,7 @@ from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
 from ..patches import linear_wgrad
 from .p2p import PipelineTransport
-from .replay import Rewind
+from .replay import Rewind, ValidationPass
 from .wgrad_store import WeightGradStore
 
 
@@ -237,7 +237,7 @@ class PipelineExecutor:
 
 
 @dataclass
-class _Iteration:
+class _Iteration(ValidationPass):
     """The state of one forward-backward call: tensors in flight between passes of this rank."""
 
     executor: PipelineExecutor
@@ -258,6 +258,7 @@ class _Iteration:
     stores: list[WeightGradStore]
     rollback: object = None  # this rank's RollbackProgram when the schedule has a V pass
     rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
+    unvalidated: object = None  # the full sums, applied once they are sent on (see replay.ValidationPass)
     forward_data_store: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
     outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
@@ -277,53 +278,24 @@ class _Iteration:
             elif isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
                 self.transport.post_send(item.msg, tensor, on_done)
+                self.apply_validation()  # right after the result went on (a no-op for other sends)
             elif item.op == "V":
-                if self.validate(item):
+                if self.validation_pass(item):
                     self.replay()
                     return
             else:
+                self.apply_validation()  # no pass may run on weights that are not validated yet
                 self.transport.reap_sends()
                 start = self._clock()
                 {"F": self.forward, "B": self.backward, "BW": self.backward, "W": self.weight}[item.op](item)
                 if self.executor.pass_timer is not None:
                     self.executor.pass_timer(item.op, item.chunk, item.mb, self._clock() - start)
                 self._account()
+        self.apply_validation()
         self.transport.finish()
         for store in self.stores:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
-
-    def validate(self, p: Pass) -> bool:
-        """The V pass: receive the previous step's full sums (the last rank has them), validate, pass them on."""
-        controller = self.executor.post_validation
-        need = consumed(self.schedule, self.rank, p)
-        summary = self.transport.wait_recv(need) if need is not None else controller.own_summary()
-        out = produced(self.schedule, self.rank, p)
-        if out is not None:
-            self.outgoing[out] = (summary, None)
-        return controller.validate(summary)
-
-    def replay(self) -> None:
-        """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
-        if self.rewind is None:
-            raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
-        for item in self.rollback.after_validation:
-            if isinstance(item, Send):
-                tensor, on_done = self.outgoing.pop(item.msg)
-                self.transport.post_send(item.msg, tensor, on_done)
-            else:  # a message its sender computed before its own V: received and dropped
-                self.transport.post_recv(item.msg)
-                self.transport.wait_recv(item.msg)
-        self.transport.reap_sends(block=True)
-        self.outgoing.clear()
-        self.saved.clear()
-        self.handoff.clear()
-        self.forward_data_store.clear()
-        self.started_chunks.clear()
-        self.total_num_tokens.zero_()
-        self.in_flight = 0
-        self.rewind.rewind()
-        self.run(self.rollback.restart)
 
     def _clock(self) -> float:
         if self.executor.pass_timer is not None and self.device.type == "cuda":

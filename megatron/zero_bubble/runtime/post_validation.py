@@ -145,6 +145,14 @@ class PostValidation:
         final, self.final = self.final, None
         return final
 
+    def needs_replay(self, summary: torch.Tensor) -> bool:
+        """Whether every rank must replay what it ran before V (decided alike everywhere from the full sums)."""
+        if summary[PENDING] == 0:
+            return False
+        nonfinite = bool(summary[NONFINITE] > 0)
+        return (not nonfinite and self._needs_clip(self._norm(summary[:NONFINITE]))) or (
+            nonfinite and bool(summary[SPECULATIVE] > 0))
+
     @torch.no_grad()
     def validate(self, summary: torch.Tensor) -> bool:
         """Apply the verdict of the full sums to this stage's pending step; True when passes must be replayed."""
@@ -177,11 +185,11 @@ class PostValidation:
         if self.stage < self.stages - 1:
             self._update_loss_scale(nonfinite)
             self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
-        replay = clip or (nonfinite and summary[SPECULATIVE] > 0)
-        self.last_outcome.replay = bool(replay)
+        replay = self.needs_replay(summary)
+        self.last_outcome.replay = replay
         self.last_outcome.rolled_back = rolled_back
         self._run_owed_zero_grad()
-        return bool(replay)
+        return replay
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -269,11 +277,15 @@ class PostValidation:
                 leaf.step_with_ready_grads()  # steps and copies main params to the model's fp16/bf16 ones
 
     def _keep_for_undo(self, torch_optimizer):
+        if torch_optimizer is None:  # a stub (no parameters on this rank)
+            return None
         return optimizer_rollback.snapshot(torch_optimizer) if self.exact else optimizer_rollback.prepare(torch_optimizer)
 
     def _undo(self, pending: _Pending) -> None:
         with self._hyperparameters_of(pending):
             for leaf, kept in zip(self.leaves, pending.undo):
+                if kept is None:
+                    continue
                 if self.exact:
                     optimizer_rollback.restore(leaf.optimizer, kept)
                 else:
@@ -284,7 +296,11 @@ class PostValidation:
                     leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 
     def _hyperparameters(self) -> list:
-        return [[(g["lr"], g.get("weight_decay", 0.0)) for g in leaf.optimizer.param_groups] for leaf in self.leaves]
+        return [[(float(g["lr"]), float(g.get("weight_decay", 0.0))) for g in self._groups(leaf)] for leaf in self.leaves]
+
+    @staticmethod
+    def _groups(leaf) -> list:
+        return leaf.optimizer.param_groups if getattr(leaf, "optimizer", None) is not None else []
 
     @contextlib.contextmanager
     def _hyperparameters_of(self, pending: _Pending):
@@ -298,10 +314,10 @@ class PostValidation:
 
     def _set_hyperparameters(self, values: list) -> None:
         for leaf, groups in zip(self.leaves, values):
-            for group, (lr, wd) in zip(leaf.optimizer.param_groups, groups):
-                group["lr"] = lr
+            for group, (lr, wd) in zip(self._groups(leaf), groups):
+                _set(group, "lr", lr)
                 if "weight_decay" in group:
-                    group["weight_decay"] = wd
+                    _set(group, "weight_decay", wd)
 
     def _undo_scheduler_increment(self, pending: _Pending) -> None:
         """train_step advanced the LR schedule for a step that, in the end, did not happen."""
@@ -315,3 +331,10 @@ class PostValidation:
         for leaf in self.leaves:
             if getattr(leaf, "grad_scaler", None) is not None:
                 leaf.grad_scaler.update(nonfinite)
+
+
+def _set(group: dict, key: str, value: float) -> None:
+    if isinstance(group[key], torch.Tensor):  # a tensor-valued hyperparameter is updated in place by schedulers
+        group[key].fill_(value)
+    else:
+        group[key] = value

@@ -311,6 +311,7 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
         plan(options.schedule, PlanRequest(
             stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
             memory_limit=options.memory_limit, ilp_time_limit=0,
+            post_validation=args.enable_optimizer_post_validation and options.schedule in POST_VALIDATION_SCHEDULES,
         ))
     except ScheduleError as error:
         raise StartupRefusal(f"{flag}: {error}") from None
@@ -375,12 +376,24 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
         "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
         "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
+        "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
+        "num_experts": "expert parameters reduce their statistics over other groups, which are not chained",
+        "save_params_interval": "it would save speculative parameters",
+        "qk_clip": "it changes weights after the step, which a rollback would not undo",
     }
     for name, why in unsupported.items():
         if getattr(args, name, False):
             raise StartupRefusal(
                 f"--{name.replace('_', '-')} does not work with --enable-optimizer-post-validation ({why}); "
                 f"drop one of them")
+    if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
+        raise StartupRefusal("--num-distributed-optimizer-instances above 1 does not work with "
+                             "--enable-optimizer-post-validation yet; drop one of them")
+    if not args.untie_embeddings_and_output_weights and not args.zero_bubble_exact_rollback:
+        raise StartupRefusal(
+            "--enable-optimizer-post-validation with tied embeddings needs --zero-bubble-exact-rollback (the first "
+            "stage's copy would be undone in place, an ulp off the last stage's); add it or "
+            "--untie-embeddings-and-output-weights")
     if args.optimizer not in ("adam", "sgd"):
         raise StartupRefusal(
             f"--enable-optimizer-post-validation rolls back adam and sgd steps, not --optimizer {args.optimizer}; "

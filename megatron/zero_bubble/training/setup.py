@@ -15,6 +15,7 @@ import os
 from functools import partial
 
 from ..schedules.planners import layout_of, natural_chunks
+from . import arguments
 from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
 
 
@@ -75,10 +76,13 @@ def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
     from ..runtime.post_validation import PostValidation
 
     leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-    for leaf in leaves:
-        reason = None if exact else optimizer_rollback.inverse_unsupported_reason(leaf.optimizer)
+    for torch_optimizer in (leaf.optimizer for leaf in leaves if getattr(leaf, "optimizer", None) is not None):
+        reason = None if exact else optimizer_rollback.inverse_unsupported_reason(torch_optimizer)
+        if reason is None and not exact and type(torch_optimizer).__name__ == "FusedAdam":
+            # written from apex/TE's documented update rule, but not yet checked against their CUDA kernels
+            reason = "the in-place inverse of FusedAdam is not verified on a GPU yet; use --zero-bubble-exact-rollback"
         if reason is not None:
-            raise SystemExit(f"pretrain_gpt.py: error: --enable-optimizer-post-validation: {reason}")
+            arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
     controller = PostValidation(
         optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
         stage_group=_stage_group(optimizer), stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD,
