@@ -34,6 +34,7 @@ class Case:
     dropout: float = 0.0
     optimizer: str = "adam"
     distributed: bool = False  # megatron's distributed optimizer (sharded over data-parallel ranks)
+    spec: ModelSpec = SPEC
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,7 +76,7 @@ def _run_case(case: Case) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case.distributed)
-    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(SPEC, init_seed=0, hidden_dropout=case.dropout), ddp_config)
+    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout), ddp_config)
     settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
     optimizer = harness.make_optimizer(chunks, OptimizerConfig(
         optimizer=case.optimizer, weight_decay=0.01, clip_grad=case.clip, use_distributed_optimizer=case.distributed,
@@ -101,7 +102,7 @@ def _run_case(case: Case) -> dict:
             for chunk in chunks:
                 chunk.zero_grad_buffer()
             optimizer.zero_grad()
-            step_losses = harness.run_forward_backward(chunks, SPEC, m, it * m)
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, it * m)
             losses.update({(it, k): v for k, v in step_losses.items()})
             if controller is not None and controller.last_outcome is not None and it > 0:
                 outcomes.append(dataclasses.asdict(controller.last_outcome))  # the verdict on step it-1
@@ -119,7 +120,10 @@ def _run_case(case: Case) -> dict:
         if controller is not None:
             controller.flush()
             outcomes.append(dataclasses.asdict(controller.last_outcome))
-        return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses,
+        tied = None
+        if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
+            tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
+        return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "tied": tied,
                 "params": harness.full_params(chunks), "collectives": step_collectives,
                 "stage_of_rank": stage_of_rank, "outcomes": outcomes,
                 "rollbacks": controller.rollbacks if controller is not None else 0}
@@ -152,6 +156,7 @@ CASES = [
     Case("tp2xpp2/pv/clip/exact", TP2, True, clip=CLIP, exact=True),
     Case("pp2/distributed/sync/clip", PP2, False, clip=CLIP, distributed=True),
     Case("pp2/distributed/pv/clip/exact", PP2, True, clip=CLIP, exact=True, distributed=True),
+    Case("pp4/pv/clip/tied", PP4, True, clip=CLIP, spec=ModelSpec(tie_embeddings=True)),
     Case("pp2/distributed/sync/inf", PP2, False, inject=(2, 1), distributed=True),
     Case("pp2/distributed/pv/inf", PP2, True, inject=(2, 1), exact=True, distributed=True),
 ]
@@ -270,3 +275,10 @@ def test_no_collective_spans_more_than_one_pipeline_stage_during_the_step(report
     # and the check can fail: megatron's synchronous step reduces across stages
     sync = reports["tp2xpp2/sync"][0]
     assert any(len({sync["stage_of_rank"][x] for x in ranks}) > 1 for _, ranks in sync["collectives"])
+
+
+def test_tied_embedding_copies_stay_identical_through_in_place_rollbacks(reports):
+    """Stage 0's word embedding is undone (exactly) and re-stepped; the last stage's tied copy steps once."""
+    by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/clip/tied"]}
+    assert by_stage[0]["rollbacks"] > 0
+    assert torch.equal(by_stage[0]["tied"], by_stage[3]["tied"])

@@ -279,7 +279,9 @@ class PostValidation:
     def _keep_for_undo(self, torch_optimizer):
         if torch_optimizer is None:  # a stub (no parameters on this rank)
             return None
-        return optimizer_rollback.snapshot(torch_optimizer) if self.exact else optimizer_rollback.prepare(torch_optimizer)
+        if self.exact:
+            return optimizer_rollback.snapshot(torch_optimizer)
+        return optimizer_rollback.prepare(torch_optimizer), _copy_of_tied_embedding(torch_optimizer)
 
     def _undo(self, pending: _Pending) -> None:
         with self._hyperparameters_of(pending):
@@ -289,7 +291,9 @@ class PostValidation:
                 if self.exact:
                     optimizer_rollback.restore(leaf.optimizer, kept)
                 else:
-                    optimizer_rollback.invert(leaf.optimizer, kept)
+                    record, tied = kept
+                    optimizer_rollback.invert(leaf.optimizer, record)
+                    _restore_tied_embedding(leaf.optimizer, tied)
                 if hasattr(leaf, "_copy_main_params_to_model_params"):
                     leaf._copy_main_params_to_model_params()
                 if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
@@ -338,3 +342,27 @@ def _set(group: dict, key: str, value: float) -> None:
         group[key].fill_(value)
     else:
         group[key] = value
+
+
+def _copy_of_tied_embedding(torch_optimizer) -> list:
+    """Exact copies of the tied word-embedding parameter(s) and their state.
+
+    The first stage's copy may be undone, the last stage's never is (it steps knowing the full sums), and
+    megatron keeps the two equal only by stepping them identically: an in-place undo an ulp off would
+    part them for good. So this one tensor is restored exactly; it is small next to the model."""
+    copies = []
+    for group in torch_optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "shared", False) or getattr(p, "shared_embedding", False):
+                state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in torch_optimizer.state.get(p, {}).items()}
+                copies.append((p, p.detach().clone(), state))
+    return copies
+
+
+def _restore_tied_embedding(torch_optimizer, copies: list) -> None:
+    for p, data, state in copies:
+        p.data.copy_(data)
+        if state:
+            torch_optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        else:
+            torch_optimizer.state.pop(p, None)

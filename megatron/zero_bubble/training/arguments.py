@@ -389,11 +389,6 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
     if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
         raise StartupRefusal("--num-distributed-optimizer-instances above 1 does not work with "
                              "--enable-optimizer-post-validation yet; drop one of them")
-    if not args.untie_embeddings_and_output_weights and not args.zero_bubble_exact_rollback:
-        raise StartupRefusal(
-            "--enable-optimizer-post-validation with tied embeddings needs --zero-bubble-exact-rollback (the first "
-            "stage's copy would be undone in place, an ulp off the last stage's); add it or "
-            "--untie-embeddings-and-output-weights")
     if args.optimizer not in ("adam", "sgd"):
         raise StartupRefusal(
             f"--enable-optimizer-post-validation rolls back adam and sgd steps, not --optimizer {args.optimizer}; "
