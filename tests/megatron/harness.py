@@ -127,6 +127,16 @@ def _rank_main(rank, world_size, port, result_dir, cpu_backend, scenario, args, 
         torch.distributed.destroy_process_group()
 
 
+def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Every case (with a `label`) in one spawned group, in turn: {label: [each rank's report]}."""
+    results = spawn(_run_cases_on_rank, world_size, run_case, cases, timeout=timeout)
+    return {case.label: [r[case.label] for r in results] for case in cases}
+
+
+def _run_cases_on_rank(run_case: Callable, cases: list) -> dict:
+    return {case.label: run_case(case) for case in cases}
+
+
 def merge_by_dp_rank(results: list[dict]) -> dict[int, dict]:
     """Combine `run_layout` reports of all ranks: per data-parallel replica, losses and full tensors."""
     merged: dict[int, dict] = {}

@@ -123,7 +123,7 @@ def _run_case(case: Case) -> dict:
         tied = None
         if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
             tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
-        return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "tied": tied,
+        return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "grads": {}, "tied": tied,
                 "params": harness.full_params(chunks), "collectives": step_collectives,
                 "stage_of_rank": stage_of_rank, "outcomes": outcomes,
                 "rollbacks": controller.rollbacks if controller is not None else 0}
@@ -162,23 +162,12 @@ CASES = [
 ]
 
 
-def _all_cases():
-    return {case.label: _run_case(case) for case in CASES}
-
-
 @pytest.fixture(scope="module")
 def reports():
-    results = harness.spawn(_all_cases, 4, timeout=900)
-    return {case.label: [r[case.label] for r in results] for case in CASES}
+    return harness.run_cases(_run_case, CASES, 4, timeout=900)
 
 
-def _merged(per_rank):
-    merged = {}
-    for r in per_rank:
-        replica = merged.setdefault(r["dp_rank"], {"losses": {}, "params": {}})
-        replica["losses"].update(r["losses"])
-        replica["params"].update(r["params"])
-    return merged
+_merged = harness.merge_by_dp_rank  # per data-parallel replica: losses and full parameters
 
 
 def _ulps_at_scale(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -110,14 +110,9 @@ CASES = [
 ]
 
 
-def _all_cases():
-    return {case.label: _run_case(case) for case in CASES}
-
-
 @pytest.fixture(scope="module")
 def reports():
-    results = harness.spawn(_all_cases, 4, timeout=600)
-    return {case.label: [r[case.label] for r in results] for case in CASES}
+    return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
 def _merged(per_rank):
