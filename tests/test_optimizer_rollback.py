@@ -142,15 +142,19 @@ def state_copy(optimizer, params):
     return [{k: v.clone() for k, v in optimizer.state[p].items()} if p in optimizer.state else None for p in params]
 
 
+def _with_grads_and_copies(name, history_steps):
+    """A built optimizer after `history_steps` steps, fresh grads set, and copies of what a step changes."""
+    params, optimizer, gen = build(name, history_steps)
+    set_grads(params, gen)
+    group_steps = [g.get("step") for g in optimizer.param_groups]
+    return params, optimizer, [p.detach().clone() for p in params], state_copy(optimizer, params), group_steps
+
+
 # -- exact snapshot / restore ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("history_steps", [0, 1, 5])
 @pytest.mark.parametrize("name", [*OPTIMIZERS, *UNSUPPORTED_BUT_SNAPSHOTTABLE])
 def test_restore_puts_params_and_state_back_bit_for_bit(name, history_steps):
-    params, optimizer, gen = build(name, history_steps)
-    set_grads(params, gen)
-    before_params = [p.detach().clone() for p in params]
-    before_state = state_copy(optimizer, params)
-    before_group_steps = [g.get("step") for g in optimizer.param_groups]
+    params, optimizer, before_params, before_state, before_group_steps = _with_grads_and_copies(name, history_steps)
     state_objects = [dict(optimizer.state[p]) if p in optimizer.state else {} for p in params]
 
     saved = snapshot(optimizer)
@@ -205,11 +209,7 @@ def _bounds(name: str) -> tuple[float, float]:
 @pytest.mark.parametrize("history_steps", [0, 1, 5])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_invert_undoes_one_step_within_a_few_ulps(name, history_steps):
-    params, optimizer, gen = build(name, history_steps)
-    set_grads(params, gen)
-    before_params = [p.detach().clone() for p in params]
-    before_state = state_copy(optimizer, params)
-    before_group_steps = [g.get("step") for g in optimizer.param_groups]
+    params, optimizer, before_params, before_state, before_group_steps = _with_grads_and_copies(name, history_steps)
 
     record = prepare(optimizer)
     optimizer.step()

@@ -86,11 +86,7 @@ def _run_case(case: Case) -> dict:
     dist.all_gather_object(stage_of_rank, stage)
     controller = None
     if case.post_validation:
-        stage_group = (parallel_state.get_tensor_and_data_parallel_group() if case.distributed
-                       else parallel_state.get_tensor_model_parallel_group())
-        controller = PostValidation(
-            optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(), stage_group=stage_group,
-            stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD, exact=case.exact)
+        controller = PostValidation.for_optimizer(optimizer, exact=case.exact)
         optimizer_step.install(controller, chunks)
         linear_wgrad.install()
         schedule_selection.install(PipelineExecutor(

@@ -81,6 +81,20 @@ class PostValidation:
     rolled_back_steps: int = 0  # on the last stage: steps that some stage undoes (known there at once)
     _partial_send: object = None
 
+    @classmethod
+    def for_optimizer(cls, optimizer, **kwargs) -> "PostValidation":
+        """With the groups megatron's parallel state gives this optimizer: its statistics group, and the part of
+        it in this stage (tensor-parallel; also data-parallel where the distributed optimizer shards state)."""
+        from megatron.core import parallel_state
+
+        leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+        if any(getattr(getattr(leaf, "ddp_config", None), "use_distributed_optimizer", False) for leaf in leaves):
+            stage_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        else:
+            stage_group = parallel_state.get_tensor_model_parallel_group()
+        return cls(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(), stage_group=stage_group,
+                   stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD, **kwargs)
+
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
         self.stats_ranks = dist.get_process_group_ranks(self.stats_group or self.pp_group)

@@ -68,9 +68,6 @@ def _current_iteration() -> int:
 
 def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
     """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     from ..patches import optimizer_step
     from ..runtime import optimizer_rollback
     from ..runtime.post_validation import PostValidation
@@ -83,25 +80,11 @@ def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
             reason = "the in-place inverse of FusedAdam is not verified on a GPU yet; use --zero-bubble-exact-rollback"
         if reason is not None:
             arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
-    controller = PostValidation(
-        optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
-        stage_group=_stage_group(optimizer), stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD,
-        exact=exact, scheduler=scheduler,
-    )
+    controller = PostValidation.for_optimizer(optimizer, exact=exact, scheduler=scheduler)
     optimizer_step.install(controller, model)
     pipeline.executor.post_validation = controller
     _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
     return controller
-
-
-def _stage_group(optimizer):
-    """The ranks of this pipeline stage over which megatron reduces the optimizer's gradient statistics."""
-    from megatron.core import parallel_state
-
-    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-    if any(getattr(getattr(leaf, "ddp_config", None), "use_distributed_optimizer", False) for leaf in leaves):
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)  # sharded state
-    return parallel_state.get_tensor_model_parallel_group()
 
 
 @contextlib.contextmanager
