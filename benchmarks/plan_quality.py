@@ -4,10 +4,15 @@ profiled times), plus PyTorch's ScheduleZBVZeroBubble where benchmarks/torch_ref
     python benchmarks/plan_quality.py [--ilp-time-limit 10] [--rows 1,5,V2 | --rows 28.3B] [--quick]
 
 Every bubble rate is the paper's measure: each rank from its own first to its own last pass.
-Costs per row: the paper's profiled T_F, T_B, T_W, T_comm, uniform over stages; M_B = 1 and
-M_W / M_B = 32h / (34h + 5as) with s = 1024. Two-chunk layouts (1F1B-I, ZB-V) give each chunk half of a
-stage's time and memory; T_comm stays, since a chunk sends activations of the same size.
-The ZB-V rows use the model's profiled times from the main table (the paper lists none for their p).
+Costs per row: the profiled T_F, T_B, T_W, T_comm behind that very row of the paper's tables (per pipeline
+rank), as the original implementation lists them (see shared/reference/paper-facts.md), uniform over
+stages; M_B = 1 and M_W / M_B = 32h / (34h + 5as) with s = 1024. With these costs the paper's 1F1B, ZB-H1,
+ZB-H2, ZB-1p and ZB-2p figures come out exactly, so a row below the paper here is below it for real; the
+rounded costs of the paper's text are not used. 1F1B-I gives each chunk half of a rank's time and memory;
+T_comm stays, since a chunk sends activations of the same size. The ZB-V rows' times reproduce the paper's
+ZB-V figures only when taken per chunk (equivalently: per rank with half the T_comm), so they are used
+per chunk; halving them with the full T_comm gives .1025 instead of .0697 on 6.2B/16/48.
+Each table prints the costs its row used, in ms.
 """
 from __future__ import annotations
 
@@ -24,12 +29,22 @@ from megatron.zero_bubble.schedules import Costs, ScheduleError, simulate, valid
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
 
 SEQ_LENGTH = 1024
-# model: hidden h, heads a, profiled (T_F, T_B, T_W, T_comm) in ms
-MODELS = {
-    "1.5B": (2304, 24, (18.5, 18.1, 9.3, 0.7)),
-    "6.2B": (4096, 32, (29.8, 29.5, 19.6, 0.55)),
-    "14.6B": (5120, 40, (11.3, 11.3, 8.1, 0.38)),
-    "28.3B": (6144, 48, (10.4, 10.2, 7.7, 0.43)),
+SHAPES = {"1.5B": (2304, 24), "6.2B": (4096, 32), "14.6B": (5120, 40), "28.3B": (6144, 48)}  # hidden h, heads a
+# (model, p, m) -> profiled (T_F, T_B, T_W, T_comm) in microseconds behind that row of the paper's tables
+PROFILED_US = {
+    ("1.5B", 8, 24): (18522, 18086, 9337, 601), ("1.5B", 8, 32): (18513, 18086, 9331, 626),
+    ("1.5B", 8, 64): (18546, 18097, 9321, 762), ("6.2B", 8, 24): (29718, 29444, 19927, 527),
+    ("6.2B", 8, 32): (29802, 29428, 19530, 577), ("6.2B", 8, 64): (29935, 29621, 19388, 535),
+    ("14.6B", 16, 48): (11347, 11248, 8132, 377), ("14.6B", 16, 64): (11307, 11254, 8101, 379),
+    ("14.6B", 16, 128): (11325, 11308, 8109, 378), ("28.3B", 32, 96): (10419, 10207, 7715, 408),
+    ("28.3B", 32, 128): (10408, 10204, 7703, 408), ("28.3B", 32, 256): (10402, 10248, 7698, 460),
+}
+PROFILED_ZBV_US = {  # the ZB-V rows: per rank, both chunks together
+    ("6.2B", 16, 48): (14407, 14380, 9676, 1610), ("6.2B", 16, 64): (14412, 14393, 9688, 1621),
+    ("6.2B", 16, 128): (14316, 14306, 9639, 1619), ("14.6B", 24, 72): (6763, 6969, 5251, 755),
+    ("14.6B", 24, 96): (6783, 6984, 5259, 758), ("14.6B", 24, 192): (6785, 6990, 5260, 770),
+    ("28.3B", 32, 96): (9458, 9748, 7288, 879), ("28.3B", 32, 128): (9469, 9744, 7306, 892),
+    ("28.3B", 32, 256): (9447, 9644, 7193, 887),
 }
 COLUMNS = ("1F1B", "1F1B-I", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p")
 PAPER_TABLE = [  # model, p, m, paper's bubble rates in COLUMNS order
@@ -56,17 +71,29 @@ PAPER_ROUNDING = 5e-5  # the paper prints four decimals
 HEURISTIC_GOAL_S = 2.0
 
 
-def row_costs(model: str, stages: int, chunks: int = 1) -> Costs:
-    """The paper's profiled times uniform over stages; each of `chunks` chunks gets 1/chunks of a stage."""
-    h, a, (t_f, t_b, t_w, t_comm) = MODELS[model]
+def profiled_ms(model: str, p: int, m: int, zbv: bool = False) -> tuple[float, float, float, float]:
+    """The row's profiled (T_F, T_B, T_W, T_comm) in milliseconds."""
+    return tuple(x / 1000 for x in (PROFILED_ZBV_US if zbv else PROFILED_US)[(model, p, m)])
+
+
+def describe_row_costs(model: str, p: int, m: int, zbv: bool = False) -> str:
+    return "/".join(f"{x:.4g}" for x in profiled_ms(model, p, m, zbv))
+
+
+def row_costs(model: str, p: int, m: int, chunks: int = 1, zbv: bool = False) -> Costs:
+    """The row's profiled times uniform over stages: the main table's split over a rank's `chunks`
+    chunks, the ZB-V table's per chunk as they are (see the module docstring)."""
+    h, a = SHAPES[model]
+    t_f, t_b, t_w, t_comm = profiled_ms(model, p, m, zbv)
+    split = 1 if zbv else chunks
     mw_ratio = 32 * h / (34 * h + 5 * a * SEQ_LENGTH)
     m_f = 1.0 / chunks
-    return Costs.make(stages * chunks, t_f / chunks, t_b / chunks, t_w / chunks, t_comm,
-                      m_f=m_f, m_w=mw_ratio * m_f, chunks=chunks)
+    return Costs.make(p * chunks, t_f / split, t_b / split, t_w / split, t_comm,
+                      m_f=m_f, m_w=mw_ratio * m_f, chunks=chunks, time_unit="ms")
 
 
 def planned_rate(name: str, model: str, p: int, m: int, chunks: int = 1, **options) -> float:
-    costs = row_costs(model, p, chunks)
+    costs = row_costs(model, p, m, chunks)
     schedule = plan(name, PlanRequest(p, m, costs, chunks=None if chunks == 1 else chunks, **options))
     return simulate(schedule, costs).bubble_rate
 
@@ -81,7 +108,7 @@ def bound_rate(model: str, p: int, m: int, limit: float) -> float:
     from megatron.zero_bubble.schedules.auto import Problem, span_lower_bound
     from megatron.zero_bubble.schedules.memory import rank_memory_limits
 
-    costs = row_costs(model, p)
+    costs = row_costs(model, p, m)
     problem = Problem.from_costs(p, m, costs, rank_memory_limits(p, 1, "single", costs, limit))
     span, busy = span_lower_bound(problem), max(problem.busy(s) for s in range(p))
     return (span - busy) / span
@@ -105,8 +132,9 @@ def _cell(ours: float | None, paper: float) -> str:
 
 def main_table(rows, ilp_limit: float, errors: list[str], goals: list[tuple[str, bool]]) -> list[tuple]:
     """Prints the paper's table with ours beside it; returns the rows whose heuristic ZB-2p is above 1%."""
-    print("\nBubble rates, ours/paper (paper's measure); ZB-1p and ZB-2p: zb-auto with memory limit p and 2p M_B")
-    print(f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  " + "  ".join(f"{c:>13}" for c in COLUMNS))
+    print("\nBubble rates, ours/paper (paper's measure); ZB-1p and ZB-2p: zb-auto with memory limit p and 2p M_B;")
+    print("costs: the row's profiled T_F/T_B/T_W/T_comm in ms")
+    print(f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  {'costs (ms)':>24}  " + "  ".join(f"{c:>13}" for c in COLUMNS))
     above = []
     for index, (model, p, m, paper) in rows:
         label = f"{model}/{p}/{m}"
@@ -118,8 +146,8 @@ def main_table(rows, ilp_limit: float, errors: list[str], goals: list[tuple[str,
             _try(errors, f"{label} ZB-1p", lambda: auto_rate(model, p, m, p, ilp_limit)),
             _try(errors, f"{label} ZB-2p", lambda: auto_rate(model, p, m, 2 * p, ilp_limit)),
         ]
-        print(f"{index:>3} {model:>6} {p:>3} {m:>4}  " + "  ".join(f"{_cell(r, q):>13}" for r, q in zip(rates, paper)),
-              flush=True)
+        print(f"{index:>3} {model:>6} {p:>3} {m:>4}  {describe_row_costs(model, p, m):>24}  "
+              + "  ".join(f"{_cell(r, q):>13}" for r, q in zip(rates, paper)), flush=True)
         for col, r, q, limit in zip(COLUMNS[4:], rates[4:], paper[4:], (p, 2 * p)):
             if r is not None:
                 text = f"{col} {label}: {r:.4f} <= paper {q:.4f}"
@@ -144,15 +172,17 @@ def zbv_table(rows, errors: list[str], goals: list[tuple[str, bool]]) -> None:
     reference = _torch_reference()
     skipped = "" if reference else "; torch column skipped: torch_reference unavailable"
     print(f"\nZB-V bubble rates (memory limit p M_B, 1F1B's), ours/paper{skipped}")
-    header = f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  {'ZB-V':>13}  {'peak M_B':>8}  {'plan s':>6}"
+    print("costs: the row's profiled T_F/T_B/T_W (per chunk) and T_comm in ms")
+    header = f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  {'costs (ms)':>24}  {'ZB-V':>13}  {'peak M_B':>8}  {'plan s':>6}"
     print(header + (f"  {'torch ZB-V':>10}  {'peak M_B':>8}" if reference else ""))
     for index, (model, p, m, paper) in rows:
         label = f"{model}/{p}/{m}"
-        costs = row_costs(model, p, chunks=2)
+        costs = row_costs(model, p, m, chunks=2, zbv=True)
         started = time.perf_counter()
         ours = _try(errors, f"{label} ZB-V", lambda: simulate(plan("zb-v", PlanRequest(p, m, costs, chunks=2)), costs))
         seconds = time.perf_counter() - started
-        line = f"{index:>3} {model:>6} {p:>3} {m:>4}  {_cell(ours and ours.bubble_rate, paper):>13}"
+        line = (f"{index:>3} {model:>6} {p:>3} {m:>4}  {describe_row_costs(model, p, m, zbv=True):>24}  "
+                f"{_cell(ours and ours.bubble_rate, paper):>13}")
         line += f"  {max(ours.peak_memory):>8.3g}  {seconds:>6.1f}" if ours else f"  {'n/a':>8}  {'':>6}"
         theirs = None
         if reference:
@@ -171,7 +201,7 @@ def heuristic_timing(errors: list[str], goals: list[tuple[str, bool]]) -> None:
     """The heuristic alone (zb_auto with the ILP off, no validation), p=32, m=256."""
     from megatron.zero_bubble.schedules.auto import zb_auto
 
-    costs = row_costs("28.3B", 32)
+    costs = row_costs("28.3B", 32, 256)
     print("\nPlanning time of the zb-auto heuristic (ILP off, validation not included), p=32, m=256, 28.3B costs:")
     for label, limit in (("ZB-1p", 32), ("ZB-2p", 64)):
         started = time.perf_counter()
@@ -235,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     main_rows, zbv_rows = select([s.strip() for s in selectors if s.strip()])
     errors: list[str] = []
     goals: list[tuple[str, bool]] = []
-    print(f"ILP time limit {ilp_limit:g} s per zb-auto run; times in ms (the paper's profiled values)")
+    print(f"ILP time limit {ilp_limit:g} s per zb-auto run; costs: each row's own profiled times, in ms")
     above = main_table(main_rows, ilp_limit, errors, goals) if main_rows else []
     if above:
         print("\nZB-2p rows whose heuristic alone is above 1%: heuristic -> ILP-refined (paper)")

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what megatron-zero-bubble needs on a fresh machine (CPU or GPU), then the project itself.
-# torch is pinned first so that nothing later asks pip for a newer build (which would pull CUDA wheels).
+# Installs megatron-zero-bubble and what it needs (CPU or GPU) into $PYTHON (default: python3).
+# Use a virtualenv unless this machine is yours alone:  python3 -m venv .venv && PYTHON=.venv/bin/python bash scripts/install.sh
+# torch is installed (pinned) first and kept, so that nothing later asks pip for a newer build (which
+# would pull CUDA wheels); numpy comes before torch is first imported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,11 +10,14 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 MCORE_VERSION=${MCORE_VERSION:-0.19.2}
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
+if [ -z "${VIRTUAL_ENV:-}" ] && [ "$("$PY" -c 'import sys; print(sys.prefix == sys.base_prefix)')" = True ]; then
+  echo "install.sh: installing into $("$PY" -c 'import sys; print(sys.prefix)') (not a virtualenv)" >&2
+fi
+pip_install numpy "packaging>=24.2"
 if ! "$PY" -c "import torch" 2>/dev/null; then
   pip_install "torch==${TORCH_VERSION}"
 fi
 TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
-pip_install "$TORCH_PIN" numpy "packaging>=24.2" six regex pyyaml pydantic psutil highspy matplotlib pytest
 if ! "$PY" -c "import importlib.metadata as m; assert m.version('megatron-core') == '${MCORE_VERSION}'" 2>/dev/null; then
   # megatron-core asks for Python >= 3.12; on 3.11 it builds from its sdist (see shared/reference/megatron-cpu.md).
   if "$PY" -c "import sys; sys.exit(sys.version_info >= (3, 12))"; then
@@ -21,4 +26,5 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('megatron-core')
     pip_install "megatron-core==${MCORE_VERSION}" "$TORCH_PIN"
   fi
 fi
-pip_install --no-deps -e .
+# The package with its declared dependencies (pyproject.toml) and pytest; the pin keeps the torch we have.
+pip_install -e ".[test]" "$TORCH_PIN"

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..schedules.costs import Costs
+from ..schedules.costs import TIME_UNITS, Costs
 from ..schedules.memory import rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
@@ -71,16 +71,19 @@ def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t
             worst["t_b"] = worst["t_bw"]
         for name in fields:
             fields[name][vstage] = worst[name] or 0.0
-    return Costs(**{name: tuple(values) for name, values in fields.items()}, t_comm=t_comm, memory_unit="bytes")
+    return Costs(**{name: tuple(values) for name, values in fields.items()}, t_comm=t_comm, memory_unit="bytes",
+                 time_unit="s")
 
 
 def describe_costs(costs: Costs) -> str:
-    def span(values, scale=1e3):
+    to_ms = TIME_UNITS[costs.time_unit] / TIME_UNITS["ms"]
+
+    def span(values, scale=to_ms):
         low, high = min(values) * scale, max(values) * scale
         return f"{low:.3g}" if math.isclose(low, high, rel_tol=0.005) else f"{low:.3g}-{high:.3g}"
 
     return (f"T_F {span(costs.t_f)} ms, T_B {span(costs.t_b)} ms, T_W {span(costs.t_w)} ms, "
-            f"T_comm {costs.t_comm * 1e3:.3g} ms, M_B {span(costs.m_f, 2**-20)} MiB per stage")
+            f"T_comm {costs.t_comm * to_ms:.3g} ms, M_B {span(costs.m_f, 2**-20)} MiB per stage")
 
 
 class ReplanningPipeline:
@@ -246,8 +249,11 @@ class ReplanningPipeline:
         where += f", memory limit {limit:g} microbatches" if limit is not None else ""
         rate = info["predicted"]["bubble_rate"]
         if when == "initial":
+            later = ("; re-planned from measured pass times after iteration "
+                     f"{s.timers_end_iter}" if s.timers_end_iter > s.timers_start_iter else "")
             self.log(f"zero-bubble: running {s.schedule} ({where}) through the zero-bubble runtime; "
-                     f"predicted bubble rate {rate:.2%} (costs {info['costs_from']})")
+                     f"predicted bubble rate {rate:.2%} (idle share of each rank's span) on costs "
+                     f"{info['costs_from']}, a rough guess until pass times are measured{later}")
         else:
             costs = describe_costs(Costs.from_dict(info["costs"]))
             self.log(f"zero-bubble: re-planned {s.schedule} ({where}) from costs {info['costs_from']} ({costs}); "
@@ -264,7 +270,7 @@ class ReplanningPipeline:
         try:
             from ..schedules.draw import draw
 
-            draw(validate(schedule, Costs.from_dict(schedule.info["costs"])), stem + ".png", time_unit="s")
+            draw(validate(schedule, Costs.from_dict(schedule.info["costs"])), stem + ".png")
         except ImportError as error:  # matplotlib missing: the JSON is the contract, the picture a bonus
             self.log(f"zero-bubble: no PNG of the schedule ({error})")
 

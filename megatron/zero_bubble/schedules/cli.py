@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -54,21 +55,37 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Progress:
-    """Shows the planner's progress lines on stderr once a run has taken more than a second."""
+    """Signs of life on stderr for planning that takes more than a second.
 
-    def __init__(self, name: str, stream=None):
+    After one second it says what is being planned (and how long the ILP may take), then shows the
+    planner's own progress lines, and at the end how long planning took. Quick plans print nothing.
+    """
+
+    def __init__(self, name: str, stream=None, what: str | None = None):
         self.name, self.stream, self.started, self.shown = name, stream or sys.stderr, time.monotonic(), False
+        self.lock = threading.Lock()
+        self.timer = None
+        if what is not None:  # the heartbeat: said once, after a second, while the planner may be silent
+            self.timer = threading.Timer(1.0, self._say, (f"planning {what} ...",))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _say(self, line: str) -> None:
+        with self.lock:
+            self.stream.write(f"{PROG}: {self.name}: {line}\n")
+            self.stream.flush()
+            self.shown = True
 
     def __call__(self, line: str) -> None:
         if time.monotonic() - self.started >= 1.0:
-            self.shown = getattr(self.stream, "isatty", lambda: False)()  # a terminal gets one updated line
-            text = f"{PROG}: {self.name}: {line}"
-            self.stream.write(f"\r{text:<78}" if self.shown else text + "\n")
-            self.stream.flush()
+            self._say(line)
 
     def finish(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
+        if self.timer is not None:
+            self.timer.cancel()
+        seconds = time.monotonic() - self.started
+        if seconds >= 1.0:
+            self._say(f"planned in {seconds:.1f} s")
 
 
 def parse_memory_limit(text: str | None) -> tuple[float | None, float | None]:
@@ -144,7 +161,7 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
     if shape is not None:
         if any(v is not None for v in times.values()):
             raise UsageError("give either pass times (--t-f, --t-b, --t-w) or a model shape, not both")
-        costs = Costs.from_model(**shape, num_virtual_stages=p * chunks)
+        costs = Costs.from_model(**shape, num_virtual_stages=p * chunks, time_unit="ms")
         return costs if t_comm is None else replace(costs, t_comm=t_comm)
     per_stage = {k: _per_virtual_stage(v, p, chunks, layout, "--" + k.replace("_", "-")) for k, v in times.items()}
     m_f = [1.0 / chunks] * (p * chunks)
@@ -155,6 +172,7 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
         m_f=m_f,
         m_w=[args.mw_ratio * x for x in m_f],
         chunks=chunks,
+        time_unit="ms",
     )
 
 
@@ -179,7 +197,9 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
         raise UsageError(f"--ilp-time-limit must not be negative, got {args.ilp_time_limit}")
     costs = build_costs(args, args.stages, chunks_for(name, args), layout_of(name))
     memory_limit, memory_bytes = _memory_limits(args, costs)
-    progress = _Progress(name, progress_stream)
+    ilp = f"; its ILP refinement may take up to {args.ilp_time_limit:g} s (--ilp-time-limit)" \
+        if name == "zb-auto" and args.ilp_time_limit > 0 else ""
+    progress = _Progress(name, progress_stream, f"p={args.stages}, m={args.microbatches}{ilp}")
     request = PlanRequest(
         stages=args.stages,
         microbatches=args.microbatches,
@@ -233,10 +253,6 @@ def _schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs,
     return schedule, costs, simulate(schedule, costs)  # plan() has validated it already
 
 
-def _time_unit(args) -> str | None:
-    return "s" if args.input is None and _model_shape(args) is not None else None
-
-
 def cmd_export(args) -> None:
     schedule, costs, timeline = _schedule_and_timeline(args)
     schedule.info["costs"] = costs.to_dict()
@@ -262,7 +278,7 @@ def cmd_draw(args) -> None:
         check_picture_path(args.output)
     timeline = _schedule_and_timeline(args)[2]
     if args.output:
-        draw(timeline, args.output, _time_unit(args))
+        draw(timeline, args.output)
         print(f"wrote {args.output}")
     else:
         print(render_text(timeline, args.width))
@@ -294,10 +310,10 @@ def cmd_compare(args) -> int:
     if args.output and args.separate:
         out = Path(args.output)
         for name, timeline in zip(names, timelines):
-            draw(timeline, out.with_name(f"{out.stem}-{name}{out.suffix}"), _time_unit(args))
+            draw(timeline, out.with_name(f"{out.stem}-{name}{out.suffix}"))
         print(f"wrote {len(names)} pictures next to {out}")
     elif args.output:
-        draw_stacked(timelines, args.output, _time_unit(args))
+        draw_stacked(timelines, args.output)
         print(f"wrote {args.output}")
     return int(any(not isinstance(e, PlannerUnavailable) for _, e in skipped))
 
@@ -308,18 +324,22 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("-m", "--microbatches", type=int, help="microbatches m per iteration")
     common.add_argument("--chunks", type=int, help="model chunks per rank for interleaved-1f1b (V schedules: 2)")
     common.add_argument("--memory-limit", help="per-rank activation limit: in-flight microbatches "
-                        "(p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a model shape")
+                        "(p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a model shape (default: the "
+                        "schedule's own: 2p for zb-auto, p for zb-v, (p+2)/2 for v-half, (p+4)/3 for v-min)")
     for name, what in (("t-f", "T_F"), ("t-b", "T_B"), ("t-w", "T_W")):
-        common.add_argument(f"--{name}", help=f"{what} of one rank (split over its chunks), or comma-separated "
-                            "per rank or per virtual stage (default 1)")
-    common.add_argument("--t-comm", help="T_comm, stage-to-stage send time (default 0)")
+        common.add_argument(f"--{name}", help=f"{what} in milliseconds of one rank (split over its chunks), or "
+                            "comma-separated per rank or per virtual stage (default 1 ms)")
+    common.add_argument("--t-comm", help="T_comm, stage-to-stage send time in milliseconds (default 0 ms; with "
+                        "a model shape: activation bytes over a 25 GB/s link)")
     common.add_argument("--mw-ratio", type=float, default=DEFAULT_MW_RATIO,
                         help=f"M_W / M_B with pass times (default {DEFAULT_MW_RATIO})")
-    common.add_argument("--model", choices=sorted(MODEL_PRESETS), help="costs from one of the paper's model shapes")
+    common.add_argument("--model", choices=sorted(MODEL_PRESETS), help="costs in milliseconds and bytes from one "
+                        "of the paper's model shapes (A100 at 125 TFLOP/s)")
     for name in ("layers", "hidden", "heads", "seq-length", "micro-batch-size", "vocab-size"):
-        common.add_argument(f"--{name}", type=int, help="model shape for Costs.from_model")
+        common.add_argument(f"--{name}", type=int, help="model shape for Costs.from_model (sequence default "
+                            f"{PRESET_SEQ_LENGTH}, vocabulary default {PRESET_VOCAB})")
     common.add_argument("--ilp-time-limit", type=float, default=10.0,
-                        help="seconds for zb-auto's ILP refinement (0: heuristic only)")
+                        help="seconds for zb-auto's ILP refinement (default 10 s; 0: heuristic only)")
     common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
 
     parser = _Parser(prog=PROG, description="Plan, simulate, draw, export and compare zero-bubble pipeline schedules.")
@@ -331,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--schedule", choices=SCHEDULE_NAMES, help="which planner")
         sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
         sub.add_argument("-o", "--output", help="output file" + (" (.png or .svg)" if cmd == "draw" else ""))
-        sub.add_argument("--width", type=int, default=100, help="text picture width (draw without -o)")
+        sub.add_argument("--width", type=int, default=100, help="text picture width in characters (draw "
+                         "without -o; default 100)")
         sub.add_argument("--post-validation", action="store_true",
                          help="insert the post-validation pass V on every rank (single-layout schedules)")
         sub.set_defaults(run={"export": cmd_export, "simulate": cmd_simulate, "draw": cmd_draw}[cmd])

@@ -3,7 +3,8 @@
 Notation of the paper: T_F, T_B, T_W (time of F, B, W), T_comm (stage-to-stage send), M_B (activation
 memory an F adds, all freed by B+W; named m_f here because F adds it) and M_W (what B keeps for W).
 Per-stage tuples let the first and last stages carry the embedding and the LM head.
-Memory is in `memory_unit`: "microbatches" (1.0 = one microbatch's activations of one rank) or "bytes".
+Memory is in `memory_unit`: "microbatches" (1.0 = one microbatch's activations of one rank) or "bytes";
+times are in `time_unit` ("ms" or "s"), which every printed or drawn figure names.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from .schedule import ScheduleError
 
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # seconds per unit
 # Paper's activation-memory ratio M_W / M_B for a typical layer (32sbh vs ~sb(34h+5as)).
 DEFAULT_MW_RATIO = 0.5
 
@@ -34,8 +36,11 @@ class Costs:
     m_w: tuple[float, ...]
     t_comm: float = 0.0
     memory_unit: str = "microbatches"
+    time_unit: str = "ms"
 
     def __post_init__(self):
+        if self.time_unit not in TIME_UNITS:
+            raise ScheduleError(f"costs: time unit {self.time_unit!r} is not one of {', '.join(TIME_UNITS)}")
         n = len(self.t_f)
         for name in ("t_b", "t_w", "m_f", "m_w"):
             if len(getattr(self, name)) != n:
@@ -59,6 +64,7 @@ class Costs:
         m_w: float | Sequence[float] | None = None,
         chunks: int = 1,
         memory_unit: str = "microbatches",
+        time_unit: str = "ms",
     ) -> "Costs":
         """Costs from scalars (uniform stages) or per-virtual-stage sequences.
 
@@ -76,6 +82,7 @@ class Costs:
             m_w=m_w,
             t_comm=float(t_comm),
             memory_unit=memory_unit,
+            time_unit=time_unit,
         )
 
     @classmethod
@@ -92,6 +99,7 @@ class Costs:
         flops_per_second: float = 125e12,
         link_bytes_per_second: float = 25e9,
         bytes_per_element: int = 2,
+        time_unit: str = "s",
     ) -> "Costs":
         """Costs from the model shape with the paper's per-layer formulas, for planning before profiling.
 
@@ -99,10 +107,14 @@ class Costs:
         M_W ~ 32sbh bytes (16-bit activations). The LM head (2sbhV FLOPs per pass, fp32 logits kept for
         the loss) is added to the last virtual stage. Layers that do not divide evenly go to the middle
         stages first, since the first and last already carry embedding and head. The default
-        flops_per_second reproduces the paper's profiled T_F of its 1.5B model on A100.
+        flops_per_second reproduces the paper's profiled T_F of its 1.5B model on A100. Times come out
+        in `time_unit`.
         """
         if min(layers, hidden, heads, seq_length, micro_batch, vocab, num_virtual_stages) < 1:
             raise ScheduleError("model shape: every size must be at least 1")
+        if time_unit not in TIME_UNITS:
+            raise ScheduleError(f"costs: time unit {time_unit!r} is not one of {', '.join(TIME_UNITS)}")
+        flops_per_unit = flops_per_second * TIME_UNITS[time_unit]
         s, b, h, a = seq_length, micro_batch, hidden, heads
         per_stage, extra = divmod(layers, num_virtual_stages)
         order = sorted(range(num_virtual_stages), key=lambda v: abs(v - (num_virtual_stages - 1) / 2))
@@ -116,13 +128,13 @@ class Costs:
         t_f, t_b, t_w, m_f, m_w = [], [], [], [], []
         for v, n in enumerate(counts):
             head = v == num_virtual_stages - 1
-            t_f.append((n * f_layer + (head_flops if head else 0)) / flops_per_second)
-            t_b.append((n * b_layer + (head_flops if head else 0)) / flops_per_second)
-            t_w.append((n * w_layer + (head_flops if head else 0)) / flops_per_second)
+            t_f.append((n * f_layer + (head_flops if head else 0)) / flops_per_unit)
+            t_b.append((n * b_layer + (head_flops if head else 0)) / flops_per_unit)
+            t_w.append((n * w_layer + (head_flops if head else 0)) / flops_per_unit)
             m_f.append(n * mb_layer + (4 * s * b * vocab + bytes_per_element * sbh if head else 0))
             m_w.append(n * mw_layer + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
-        t_comm = bytes_per_element * sbh / link_bytes_per_second
-        return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes")
+        t_comm = bytes_per_element * sbh / link_bytes_per_second / TIME_UNITS[time_unit]
+        return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes", time_unit)
 
     def rank_microbatch_memory(self, owners: Sequence[Sequence[int]]) -> list[float]:
         """Activation memory of one whole microbatch on each rank (the M_B of that rank).
@@ -143,4 +155,5 @@ class Costs:
             **{k: tuple(float(x) for x in v) for k, v in fields.items()},
             t_comm=float(data.get("t_comm", 0.0)),
             memory_unit=str(data.get("memory_unit", "microbatches")),
+            time_unit=str(data.get("time_unit", "ms")),
         )

@@ -27,40 +27,55 @@ _MIN_FONT = 4.5  # below this a label is unreadable, so it is dropped
 
 
 def describe_memory(value: float, unit: str) -> str:
-    """Activation memory in words: multiples of M_B, or GiB when the costs carry bytes."""
+    """Activation memory with its unit: multiples of M_B, or MiB/GiB (3 significant digits) for bytes."""
     if unit == "bytes":
-        return f"{value / 2**30:.2f} GiB"
+        return f"{value / 2**30:.3g} GiB" if value >= 2**30 else f"{value / 2**20:.3g} MiB"
     return f"{value:.3g} M_B"
-
-
-def summary(timeline: Timeline) -> str:
-    """One line: schedule name, p, m, bubble rates and peak memory, as in the picture's title."""
-    s = timeline.schedule
-    chunks = f", {s.chunks} chunks ({s.layout})" if s.chunks > 1 else ""
-    peak = describe_memory(max(timeline.peak_memory, default=0.0), timeline.costs.memory_unit)
-    return (
-        f"{s.name or 'schedule'}: p={s.stages}, m={s.microbatches}{chunks}; bubble rate "
-        f"{timeline.bubble_rate:.2%} (per-rank span; {timeline.bubble_rate_from_zero:.2%} from time 0); "
-        f"peak activation memory {peak}"
-    )
 
 
 def _fmt(x: float) -> str:
     return f"{x:.4g}"
 
 
+def summary(timeline: Timeline) -> str:
+    """One line: schedule name, p, m, bubble rates and peak memory, as in the picture's title."""
+    s, unit = timeline.schedule, timeline.costs.time_unit
+    chunks = f", {s.chunks} chunks ({s.layout})" if s.chunks > 1 else ""
+    peak = describe_memory(max(timeline.peak_memory, default=0.0), timeline.costs.memory_unit)
+    return (
+        f"{s.name or 'schedule'}: p={s.stages}, m={s.microbatches}{chunks}; bubble rate "
+        f"{timeline.bubble_rate:.2%} (per-rank span; {timeline.bubble_rate_from_zero:.2%} from time 0); "
+        f"makespan {_fmt(timeline.makespan)} {unit}; peak activation memory {peak}"
+    )
+
+
+def memory_legend(unit: str) -> str:
+    if unit == "bytes":
+        return "peak memory: the most activation memory any rank holds at once"
+    return "peak memory: the most activation memory any rank holds at once, in M_B (one microbatch's activations on one rank)"
+
+
+BUBBLE_LEGEND = (
+    "bubble (span): idle share of each rank between its own first and last pass, the paper's measure; it\n"
+    "  assumes the next iteration's warm-up overlaps this one's cool-down, so it can reach 0 while the\n"
+    "  makespan still holds the (p-1)-pass start-up\n"
+    "bubble (t=0): idle share of every rank from time 0 to the makespan: one isolated iteration"
+)
+
+
 def simulation_report(timeline: Timeline) -> str:
     """Both bubble rates (saying which is which), the makespan, and per rank its span, work and peak memory."""
-    s, unit = timeline.schedule, timeline.costs.memory_unit
+    s, unit, tu = timeline.schedule, timeline.costs.memory_unit, timeline.costs.time_unit
     lines = [
         f"schedule {s.name or '(unnamed)'}: p={s.stages}, m={s.microbatches}, chunks={s.chunks} ({s.layout} layout)",
         f"bubble rate, paper's measure (each rank from its own first to its own last pass): "
         f"{timeline.bubble_rate:.4f}",
         f"bubble rate, every rank from time 0 to the makespan: {timeline.bubble_rate_from_zero:.4f}",
-        f"makespan: {_fmt(timeline.makespan)}   peak activation memory (max over ranks): "
+        f"makespan: {_fmt(timeline.makespan)} {tu}   peak activation memory (max over ranks): "
         f"{describe_memory(max(timeline.peak_memory), unit)}",
         "",
         f"{'rank':>4}  {'start':>9}  {'end':>9}  {'busy':>9}  {'idle in span':>12}  peak memory",
+        f"{'':>4}  {'(' + tu + ')':>9}  {'(' + tu + ')':>9}  {'(' + tu + ')':>9}  {'(' + tu + ')':>12}",
     ]
     for r, passes in enumerate(timeline.ranks):
         start, end, busy = passes[0].start, passes[-1].end, timeline.busy(r)
@@ -68,22 +83,32 @@ def simulation_report(timeline: Timeline) -> str:
             f"{r:>4}  {_fmt(start):>9}  {_fmt(end):>9}  {_fmt(busy):>9}  {_fmt(end - start - busy):>12}  "
             f"{describe_memory(timeline.peak_memory[r], unit)}"
         )
+    if unit != "bytes":
+        lines.append("M_B: one microbatch's activation memory on one rank")
     return "\n".join(lines)
 
 
 def comparison_table(rows: Sequence[tuple[str, Timeline, float]]) -> str:
-    """One line per (name, timeline, planning seconds), under a header saying which bubble rate is which."""
+    """One line per (name, timeline, planning seconds), followed by a legend saying what each column is."""
+    time_unit = rows[0][1].costs.time_unit if rows else "ms"
+    memory_unit = rows[0][1].costs.memory_unit if rows else "microbatches"
     lines = [
-        "bubble (span): paper's measure, each rank from its own first pass; bubble (t=0): from time 0",
         f"{'schedule':<17} {'chunks':>6} {'bubble (span)':>13} {'bubble (t=0)':>12} {'makespan':>10} "
-        f"{'peak memory':>12} {'plan s':>7}",
+        f"{'peak memory':>12} {'planning':>8}",
     ]
     for name, t, seconds in rows:
         peak = describe_memory(max(t.peak_memory), t.costs.memory_unit)
+        makespan = f"{_fmt(t.makespan)} {t.costs.time_unit}"
         lines.append(
             f"{name:<17} {t.schedule.chunks:>6} {t.bubble_rate:>13.4f} {t.bubble_rate_from_zero:>12.4f} "
-            f"{_fmt(t.makespan):>10} {peak:>12} {seconds:>7.2f}"
+            f"{makespan:>10} {peak:>12} {seconds:>6.2f} s"
         )
+    lines += [
+        "",
+        BUBBLE_LEGEND,
+        f"makespan: end of the iteration's last pass ({time_unit}); planning: wall time to plan and validate",
+        memory_legend(memory_unit),
+    ]
     return "\n".join(lines)
 
 
@@ -111,7 +136,7 @@ def _label_font(timeline: Timeline, axes_width_in: float, xmax: float) -> float:
     return min(8.0, _ROW_INCHES * 72 * 0.45, typical / (0.62 * digits + 0.5))
 
 
-def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_unit: str | None) -> None:
+def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_unit: str | None = None) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -146,7 +171,7 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
     step = max(1, len(timeline.ranks) // 16)
     ax.set_yticks(range(0, len(timeline.ranks), step))
     ax.set_yticklabels([f"rank {r}" for r in range(0, len(timeline.ranks), step)], fontsize=8)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax.set_xlabel(f"time ({time_unit or timeline.costs.time_unit})")
     ax.set_title(summary(timeline), fontsize=9)
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)
@@ -170,7 +195,8 @@ def check_picture_path(path: str | Path) -> None:
 
 
 def draw(timeline: Timeline, path: str | Path, time_unit: str | None = None) -> Path:
-    """Write the timeline as a picture; the suffix (.png or .svg) picks the format."""
+    """Write the timeline as a picture; the suffix (.png or .svg) picks the format; time_unit overrides
+    the costs' own unit in the axis label."""
     return draw_stacked([timeline], path, time_unit)
 
 

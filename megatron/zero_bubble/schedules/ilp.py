@@ -184,8 +184,7 @@ def refine(
     remaining = time_limit - (time.monotonic() - begun)
     if remaining <= 0.05:
         return plan, f"skipped: building the model took the whole {time_limit:g} s"
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
+    highs = _quiet_solver(highspy)
     highs.setOptionValue("random_seed", 0)
     highs.setOptionValue("time_limit", float(remaining))
     _load(highs, model)
@@ -203,6 +202,23 @@ def refine(
     if span is not None and span < plan.span * (1 - 1e-9):
         return Plan(candidate, span, plan.label + " + ILP"), f"improved span {plan.span:.6g} -> {span:.6g} ({where})"
     return plan, f"no improvement over the heuristic ({where})"
+
+
+def _quiet_solver(highspy):
+    """A HiGHS instance that never writes to stdout (planners' output, e.g. `zb-schedule export`, is data).
+
+    HiGHS prints its banner on the first call after construction unless output_flag is already off;
+    highspy's own constructor makes such a call (enableCallbacks), so the option is set right before it.
+    """
+
+    class QuietHighs(highspy.Highs):
+        def enableCallbacks(self):  # noqa: N802 - highspy's name
+            self.setOptionValue("output_flag", False)
+            return super().enableCallbacks()
+
+    highs = QuietHighs() if hasattr(highspy.Highs, "enableCallbacks") else highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    return highs
 
 
 def _build(problem: Problem, plan: Plan, windows: Windows, near, window: int, first: list[float]):
