@@ -4,7 +4,7 @@
     cpu_backend.install()               # core: schedules, GPTModel, DDP, optimizer
     cpu_backend.install(training=True)  # also Megatron's training loop (imports megatron.training)
 
-The patches live in cpu_backend_core.py and cpu_backend_training.py (one Patcher each), on top of the
+The patches live in cpu_backend_core.py and cpu_backend_training.py (one PatchSet each), on top of the
 import shims in imports.py; `uninstall()` restores every replaced attribute. On a machine with CUDA,
 `install()` raises PatchError unless `force=True`: GPU runs must not use it.
 """

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from . import imports
-from ._patching import Patcher, PatchError, check_megatron_core_version
+from ._patching import MegatronPatch, PatchError
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
@@ -58,45 +58,36 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class CoreCpuBackend:
-    """Owns the Patcher of the core part; `install()` is idempotent, `uninstall()` restores megatron-core."""
+class CoreCpuBackend(MegatronPatch):
+    """The core part; `install(force)` is idempotent, `uninstall()` restores megatron-core."""
+
+    name = "cpu_backend_core"
 
     def __init__(self):
-        self.patcher = Patcher("cpu_backend_core")
+        super().__init__()
         self.rng_warning_filter = lambda record: record.getMessage() != RNG_FORK_WARNING
 
-    @property
-    def installed(self) -> bool:
-        return self.patcher.installed
-
-    def install(self, force: bool = False) -> None:
-        if self.installed:
-            return
+    def apply(self, force: bool = False) -> None:
         if cuda_available() and not force:
             raise PatchError(
                 "CUDA is available: the CPU backend is for machines without a GPU (pass force=True to use it anyway)"
             )
-        check_megatron_core_version()
         imports.install()  # megatron.core must import before it can be patched
         cpu_torch = CpuTorch()
-        try:
-            for name in MODULES_SEEING_CPU_AS_CUDA:
-                module = importlib.import_module(name)
-                if module.__dict__.get("torch") is not torch:
-                    raise PatchError(f"patch 'cpu_backend_core': {name}.torch is not the torch module")
-                self.patcher.replace(module, "torch", cpu_torch)
-            self._patch_rng_tracker()
-            self._patch_clip_grads()
-            self._patch_tied_embedding_setup()
-            self._patch_cuda_type_names()
-        except BaseException:
-            self.patcher.restore()
-            raise
+        for name in MODULES_SEEING_CPU_AS_CUDA:
+            module = importlib.import_module(name)
+            if module.__dict__.get("torch") is not torch:
+                raise PatchError(f"patch 'cpu_backend_core': {name}.torch is not the torch module")
+            self.patches.replace(module, "torch", cpu_torch)
+        self._patch_rng_tracker()
+        self._patch_clip_grads()
+        self._patch_tied_embedding_setup()
+        self._patch_cuda_type_names()
         logging.getLogger(RNG_TRACKER_LOGGER).addFilter(self.rng_warning_filter)
 
     def uninstall(self) -> None:
         logging.getLogger(RNG_TRACKER_LOGGER).removeFilter(self.rng_warning_filter)
-        self.patcher.restore()
+        super().uninstall()
 
     def _patch_rng_tracker(self) -> None:
         # The originals go through torch.cuda.default_generators and _lazy_call, which on a CPU build
@@ -109,8 +100,8 @@ class CoreCpuBackend:
         def set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = False) -> None:
             torch.set_rng_state(new_state)
 
-        self.patcher.replace(random, "_get_cuda_rng_state", get_rng_state)
-        self.patcher.replace(random, "_set_cuda_rng_state", set_rng_state)
+        self.patches.replace(random, "_get_cuda_rng_state", get_rng_state)
+        self.patches.replace(random, "_set_cuda_rng_state", set_rng_state)
 
     def _patch_clip_grads(self) -> None:
         # The original asserts `param.grad.type() == 'torch.cuda.FloatTensor'`, a Tensor method that no
@@ -134,14 +125,14 @@ class CoreCpuBackend:
                     clip_grads.multi_tensor_scale_impl, overflow_flag, [grads, grads], clip_coeff
                 )
 
-        self.patcher.replace(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
-        self.patcher.replace(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+        self.patches.replace(clip_grads, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
+        self.patches.replace(optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
     def _patch_tied_embedding_setup(self) -> None:
         language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
         module_class = language_module.LanguageModule
         wrapped = with_cuda_calls_on_cpu(module_class.setup_embeddings_and_output_layer)
-        self.patcher.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
+        self.patches.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
 
     def _patch_cuda_type_names(self) -> None:
         # The mixed-precision and distributed optimizers sort parameters by `param.type()` names
@@ -149,7 +140,7 @@ class CoreCpuBackend:
         # constructors alone, type() reports the CUDA name of a CPU tensor's type.
         for module_name, class_name in CUDA_TYPE_NAMES_IN_CONSTRUCTORS:
             owner = getattr(importlib.import_module(module_name), class_name)
-            self.patcher.replace(owner, "__init__", _with_cuda_type_names(owner.__init__))
+            self.patches.replace(owner, "__init__", _with_cuda_type_names(owner.__init__))
 
 
 def _with_cuda_type_names(function):
@@ -172,18 +163,18 @@ def _with_cuda_type_names(function):
     return wrapper
 
 
-BACKEND = CoreCpuBackend()
+_PATCH = CoreCpuBackend()
 
 
 def install(force: bool = False) -> None:
     """Apply the core CPU patches (idempotent); raises PatchError on a machine with CUDA unless forced."""
-    BACKEND.install(force=force)
+    _PATCH.install(force)
 
 
 def uninstall() -> None:
     """Restore every attribute the core patches replaced."""
-    BACKEND.uninstall()
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
-    return BACKEND.installed
+    return _PATCH.installed

@@ -21,7 +21,7 @@ import importlib
 import torch
 
 from . import cpu_backend_core
-from ._patching import Patcher, PatchError, check_megatron_core_version
+from ._patching import MegatronPatch, PatchError
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 TRAINING_MODULES_SEEING_CPU_AS_CUDA = (
@@ -38,33 +38,18 @@ TRAINING_MODULES_SEEING_CPU_AS_CUDA = (
 NO_GPU_ARCH_VERSION = 0
 
 
-class TrainingCpuBackend:
-    """Owns the Patcher of the training-loop part; `install()` is idempotent."""
+class TrainingCpuBackend(MegatronPatch):
+    """The training-loop part (after the core part); `install(force)` is idempotent."""
 
-    def __init__(self):
-        self.patcher = Patcher("cpu_backend_training")
+    name = "cpu_backend_training"
 
-    @property
-    def installed(self) -> bool:
-        return self.patcher.installed
-
-    def install(self, force: bool = False) -> None:
-        if self.installed:
-            return
+    def apply(self, force: bool = False) -> None:
         cpu_backend_core.install(force=force)
-        check_megatron_core_version()
-        try:
-            self._see_cpu_as_cuda()
-            self._skip_cuda_only_setup()
-            self._keep_models_on_cpu()
-            arguments = importlib.import_module("megatron.training.arguments")
-            self.patcher.replace(arguments, "get_device_arch_version", lambda: NO_GPU_ARCH_VERSION)
-        except BaseException:
-            self.patcher.restore()
-            raise
-
-    def uninstall(self) -> None:
-        self.patcher.restore()
+        self._see_cpu_as_cuda()
+        self._skip_cuda_only_setup()
+        self._keep_models_on_cpu()
+        arguments = importlib.import_module("megatron.training.arguments")
+        self.patches.replace(arguments, "get_device_arch_version", lambda: NO_GPU_ARCH_VERSION)
 
     def _see_cpu_as_cuda(self) -> None:
         cpu_torch = CpuTorch()
@@ -76,7 +61,7 @@ class TrainingCpuBackend:
     def _replace_torch(self, module, cpu_torch: CpuTorch) -> None:
         if module.__dict__.get("torch") is not torch:
             raise PatchError(f"patch 'cpu_backend_training': {module.__name__}.torch is not the torch module")
-        self.patcher.replace(module, "torch", cpu_torch)
+        self.patches.replace(module, "torch", cpu_torch)
 
     def _skip_cuda_only_setup(self) -> None:
         initialize = importlib.import_module("megatron.training.initialize")
@@ -85,30 +70,30 @@ class TrainingCpuBackend:
         def skipped(*args, **kwargs) -> None:
             return None
 
-        self.patcher.replace(initialize, "_compile_dependencies", skipped)
+        self.patches.replace(initialize, "_compile_dependencies", skipped)
         # pretrain() calls the name bound in training.py; initialize.py keeps its own for other callers.
-        self.patcher.replace(initialize, "set_jit_fusion_options", skipped)
-        self.patcher.replace(training, "set_jit_fusion_options", skipped)
+        self.patches.replace(initialize, "set_jit_fusion_options", skipped)
+        self.patches.replace(training, "set_jit_fusion_options", skipped)
 
     def _keep_models_on_cpu(self) -> None:
         training = importlib.import_module("megatron.training.training")
         dist_utils = importlib.import_module("megatron.training.models.dist_utils")
         for module, name in ((training, "get_model"), (dist_utils, "prepare_existing_model_chunks_for_distributed_training")):
-            self.patcher.replace(module, name, with_cuda_calls_on_cpu(getattr(module, name)))
+            self.patches.replace(module, name, with_cuda_calls_on_cpu(getattr(module, name)))
 
 
-BACKEND = TrainingCpuBackend()
+_PATCH = TrainingCpuBackend()
 
 
 def install(force: bool = False) -> None:
     """Apply the core and the training-loop CPU patches (idempotent; imports megatron.training)."""
-    BACKEND.install(force=force)
+    _PATCH.install(force)
 
 
 def uninstall() -> None:
     """Restore what the training-loop part replaced (the core part has its own `uninstall()`)."""
-    BACKEND.uninstall()
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
-    return BACKEND.installed
+    return _PATCH.installed

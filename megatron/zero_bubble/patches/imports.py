@@ -1,6 +1,6 @@
 """Make `import megatron.core` and `import megatron.training` work on a CPU-only Python 3.11 machine.
 
-Two shims, both additions rather than replacements (so they are recorded here, not in a `Patcher`):
+Two shims, both additions rather than replacements (`PatchSet.add_module` and `PatchSet.add`):
 
 - `megatron/core/transformer/moe/ops/paged_stash.py` does an unguarded `import triton` and is reached
   from `pipeline_parallel/schedules.py` and `models/gpt/gpt_model.py`. When triton is missing, a stub
@@ -19,46 +19,24 @@ import sys
 import types
 import typing
 
-from ._patching import check_megatron_core_version
+from ._patching import MegatronPatch
 
 TRITON_KERNEL_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 PAGED_STASH_BLOCK_SIZE = 1024  # the value of GLOBAL_BLOCK_SIZE in megatron-core 0.19.2's triton module
 
 
-class ImportShims:
-    """Remembers what `install()` added so that `uninstall()` removes exactly that."""
+class ImportShims(MegatronPatch):
+    """Adds only what this interpreter lacks; `uninstall()` removes exactly that."""
 
-    def __init__(self):
-        self.stub_module: types.ModuleType | None = None
-        self.added_typing_override = False
+    name = "imports"
 
-    @property
-    def installed(self) -> bool:
-        return self.stub_module is not None or self.added_typing_override
-
-    def install(self) -> None:
-        check_megatron_core_version()
-        if (
-            self.stub_module is None
-            and TRITON_KERNEL_MODULE not in sys.modules
-            and importlib.util.find_spec("triton") is None
-        ):
-            self.stub_module = _triton_kernel_stub()
-            sys.modules[TRITON_KERNEL_MODULE] = self.stub_module
+    def apply(self) -> None:
+        if TRITON_KERNEL_MODULE not in sys.modules and importlib.util.find_spec("triton") is None:
+            self.patches.add_module(TRITON_KERNEL_MODULE, _triton_kernel_stub())
         if sys.version_info < (3, 12) and not hasattr(typing, "override"):
             import typing_extensions
 
-            typing.override = typing_extensions.override
-            self.added_typing_override = True
-
-    def uninstall(self) -> None:
-        # Modules imported meanwhile keep their references; only the shims themselves go away.
-        if self.stub_module is not None and sys.modules.get(TRITON_KERNEL_MODULE) is self.stub_module:
-            del sys.modules[TRITON_KERNEL_MODULE]
-        self.stub_module = None
-        if self.added_typing_override:
-            del typing.override
-            self.added_typing_override = False
+            self.patches.add(typing, "override", typing_extensions.override)
 
 
 def _triton_kernel_stub() -> types.ModuleType:
@@ -74,18 +52,19 @@ def _triton_kernel_stub() -> types.ModuleType:
     return stub
 
 
-_SHIMS = ImportShims()
+_PATCH = ImportShims()
 
 
 def install() -> None:
     """Add the shims that `import megatron.core` / `megatron.training` need here (idempotent)."""
-    _SHIMS.install()
+    _PATCH.install()
 
 
 def uninstall() -> None:
-    """Remove the shims `install()` added; already imported megatron modules stay usable."""
-    _SHIMS.uninstall()
+    """Remove the shims `install()` added; already imported megatron modules stay usable (they keep their
+    references)."""
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
-    return _SHIMS.installed
+    return _PATCH.installed

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from ..runtime.wgrad_store import STORE_ATTRIBUTE
-from ._patching import PatchError, Patcher, check_megatron_core_version, megatron_core_version
+from ._patching import MegatronPatch, PatchError, megatron_core_version
 
 TARGET = "linear_with_grad_accumulation_and_async_allreduce"
 # What the deferrable backward reuses from megatron's layers module (checked by install()).
@@ -32,7 +32,6 @@ _NEEDED_FROM_LAYERS = (
     "get_tensor_model_parallel_group_if_none", "prepare_input_tensors_for_wgrad_compute",
     "dist_all_gather_func", "dist_reduce_scatter_func",
 )
-_PATCHER = Patcher("linear_wgrad")
 
 
 def _layers():
@@ -41,36 +40,43 @@ def _layers():
     return layers
 
 
+class LinearWgrad(MegatronPatch):
+    name = "linear_wgrad"
+
+    def apply(self) -> None:
+        layers = _layers()
+        missing = [name for name in _NEEDED_FROM_LAYERS if not hasattr(layers, name)]
+        if missing:
+            raise PatchError(
+                f"patch 'linear_wgrad': megatron.core.tensor_parallel.layers lacks {', '.join(missing)} in "
+                f"megatron-core {megatron_core_version()}; this patch was written for 0.19.x"
+            )
+        # megatron's function reads its `.warned` flag through the module global, which is now ours.
+        deferrable_linear.warned = getattr(layers, TARGET).warned
+        self.patches.replace(layers, TARGET, deferrable_linear)
+
+
+_PATCH = LinearWgrad()
+
+
 def install() -> None:
     """Route megatron's TP linear layers through the deferrable backward (idempotent, version-checked)."""
-    if _PATCHER.installed:
-        return
-    check_megatron_core_version()
-    layers = _layers()
-    missing = [name for name in _NEEDED_FROM_LAYERS if not hasattr(layers, name)]
-    if missing:
-        raise PatchError(
-            f"patch 'linear_wgrad': megatron.core.tensor_parallel.layers lacks {', '.join(missing)} in "
-            f"megatron-core {megatron_core_version()}; this patch was written for 0.19.x"
-        )
-    # megatron's function reads its `.warned` flag through the module global, which is now ours.
-    deferrable_linear.warned = getattr(layers, TARGET).warned
-    _PATCHER.replace(layers, TARGET, deferrable_linear)
+    _PATCH.install()
 
 
 def uninstall() -> None:
     """Put megatron's original function back."""
-    _PATCHER.restore()
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
-    return _PATCHER.installed
+    return _PATCH.installed
 
 
 def original_linear():
     """megatron-core's own linear_with_grad_accumulation_and_async_allreduce (patched or not)."""
     layers = _layers()
-    return _PATCHER.original(layers, TARGET)
+    return _PATCH.patches.original(layers, TARGET)
 
 
 def deferrable_linear(

@@ -9,28 +9,26 @@ from __future__ import annotations
 
 import sys
 
-from ._patching import Patcher, check_megatron_core_version
-
-_patcher = Patcher("optimizer_step")
+from ._patching import MegatronPatch
 
 
-def install(controller, model_chunks: list) -> None:
-    """Make `controller` (a runtime.post_validation.PostValidation) own the optimizer's step."""
-    check_megatron_core_version()
-    if _patcher.installed:
-        uninstall()
-    optimizer = controller.optimizer
-    zero_grad_original = optimizer.zero_grad
-    _patcher.replace(optimizer, "step", controller.step)
-    _patcher.replace(optimizer, "zero_grad", lambda *a, **k: controller.defer_or_run(zero_grad_original, *a, **k))
-    for chunk in model_chunks:
-        if hasattr(chunk, "zero_grad_buffer"):
-            original = chunk.zero_grad_buffer
-            _patcher.replace(chunk, "zero_grad_buffer", lambda original=original: controller.defer_or_run(original))
-    training = sys.modules.get("megatron.training.training")
-    if training is not None:
-        for name in ("logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group"):
-            _patcher.replace(training, name, _within_stage(getattr(training, name), controller))
+class OptimizerStep(MegatronPatch):
+    name = "optimizer_step"
+
+    def apply(self, controller, model_chunks) -> None:
+        optimizer = controller.optimizer
+        zero_grad_original = optimizer.zero_grad
+        self.patches.replace(optimizer, "step", controller.step)
+        self.patches.replace(optimizer, "zero_grad",
+                             lambda *a, **k: controller.defer_or_run(zero_grad_original, *a, **k))
+        for chunk in model_chunks:
+            if hasattr(chunk, "zero_grad_buffer"):
+                original = chunk.zero_grad_buffer
+                self.patches.replace(chunk, "zero_grad_buffer", lambda original=original: controller.defer_or_run(original))
+        training = sys.modules.get("megatron.training.training")
+        if training is not None:
+            for name in ("logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group"):
+                self.patches.replace(training, name, _within_stage(getattr(training, name), controller))
 
 
 def _within_stage(reduction, controller):
@@ -42,11 +40,17 @@ def _within_stage(reduction, controller):
     return reduce_within_stage
 
 
+_PATCH = OptimizerStep()
+
+
+def install(controller, model_chunks: list) -> None:
+    """Make `controller` (a runtime.post_validation.PostValidation) own the optimizer's step."""
+    _PATCH.install(controller, list(model_chunks))
+
+
 def uninstall() -> None:
-    _patcher.restore()
+    _PATCH.uninstall()
 
 
-def installed_controller(optimizer):
-    """The PostValidation in charge of `optimizer`'s step, or None."""
-    owner = getattr(optimizer.step, "__self__", None)
-    return owner if _patcher.installed and owner is not optimizer else None
+def installed() -> bool:
+    return _PATCH.installed

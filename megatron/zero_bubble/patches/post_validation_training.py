@@ -12,59 +12,68 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-from ._patching import Patcher, check_megatron_core_version
+from ._patching import MegatronPatch
 
-_patcher = Patcher("post_validation_training")
 _SKIPPED = re.compile(r"( number of skipped iterations: *\d+ \|)")
+
+
+class PostValidationTraining(MegatronPatch):
+    name = "post_validation_training"
+
+    def apply(self, attach: Callable) -> None:
+        from megatron.training import training
+
+        state = {"controller": None, "logged_rollbacks": 0}
+        setup_original = training.setup_model_and_optimizer
+
+        def setup_model_and_optimizer(*args, **kwargs):
+            model, optimizer, scheduler = setup_original(*args, **kwargs)
+            state["controller"] = attach(model, optimizer, scheduler)
+            return model, optimizer, scheduler
+
+        def validated_first(original):
+            def wrapper(*args, **kwargs):
+                if state["controller"] is not None and state["controller"].has_pending:
+                    state["controller"].flush()
+                return original(*args, **kwargs)
+
+            return wrapper
+
+        train_original = training.train
+
+        def train(*args, **kwargs):
+            result = train_original(*args, **kwargs)
+            if state["controller"] is not None and state["controller"].has_pending:
+                state["controller"].flush()
+            return result
+
+        print_original = training.print_rank_last
+
+        def print_rank_last(message):
+            controller = state["controller"]
+            if controller is not None and isinstance(message, str) and _SKIPPED.search(message):
+                count = controller.rolled_back_steps - state["logged_rollbacks"]
+                state["logged_rollbacks"] = controller.rolled_back_steps
+                message = _SKIPPED.sub(lambda m: f"{m.group(1)} number of optimizer rollbacks: {count:3d} |", message)
+            return print_original(message)
+
+        self.patches.replace(training, "setup_model_and_optimizer", setup_model_and_optimizer)
+        self.patches.replace(training, "save_checkpoint_and_time", validated_first(training.save_checkpoint_and_time))
+        self.patches.replace(training, "train", train)
+        self.patches.replace(training, "print_rank_last", print_rank_last)
+
+
+_PATCH = PostValidationTraining()
 
 
 def install(attach: Callable) -> None:
     """attach(model, optimizer, opt_param_scheduler) -> PostValidation; called once the optimizer exists."""
-    check_megatron_core_version()
-    from megatron.training import training
-
-    if _patcher.installed:
-        uninstall()
-    state = {"controller": None, "logged_rollbacks": 0}
-
-    setup_original = training.setup_model_and_optimizer
-
-    def setup_model_and_optimizer(*args, **kwargs):
-        model, optimizer, scheduler = setup_original(*args, **kwargs)
-        state["controller"] = attach(model, optimizer, scheduler)
-        return model, optimizer, scheduler
-
-    def validated_first(original):
-        def wrapper(*args, **kwargs):
-            if state["controller"] is not None and state["controller"].has_pending:
-                state["controller"].flush()
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    train_original = training.train
-
-    def train(*args, **kwargs):
-        result = train_original(*args, **kwargs)
-        if state["controller"] is not None and state["controller"].has_pending:
-            state["controller"].flush()
-        return result
-
-    print_original = training.print_rank_last
-
-    def print_rank_last(message):
-        controller = state["controller"]
-        if controller is not None and isinstance(message, str) and _SKIPPED.search(message):
-            count = controller.rolled_back_steps - state["logged_rollbacks"]
-            state["logged_rollbacks"] = controller.rolled_back_steps
-            message = _SKIPPED.sub(lambda m: f"{m.group(1)} number of optimizer rollbacks: {count:3d} |", message)
-        return print_original(message)
-
-    _patcher.replace(training, "setup_model_and_optimizer", setup_model_and_optimizer)
-    _patcher.replace(training, "save_checkpoint_and_time", validated_first(training.save_checkpoint_and_time))
-    _patcher.replace(training, "train", train)
-    _patcher.replace(training, "print_rank_last", print_rank_last)
+    _PATCH.install(attach)
 
 
 def uninstall() -> None:
-    _patcher.restore()
+    _PATCH.uninstall()
+
+
+def installed() -> bool:
+    return _PATCH.installed

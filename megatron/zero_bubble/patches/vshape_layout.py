@@ -32,7 +32,7 @@ import sys
 
 from ..schedules.schedule import stage_owner, virtual_stage
 from . import imports
-from ._patching import Patcher, PatchError, check_megatron_core_version
+from ._patching import MegatronPatch, PatchError
 
 LAYOUT = "v"
 CHUNKS = 2  # model chunks per rank under V
@@ -146,29 +146,27 @@ def sum_v_tied_embedding_grads(model_chunks) -> bool:
 # ---------------------------------------------------------------- the patch
 
 
-class VShapePlacement:
-    """Owns the Patcher and the installed state (p); the replacements below consult `self.stages`."""
+class VShapePlacement(MegatronPatch):
+    """Installed with p (`install(stages)`); the replacements below consult `self.stages`."""
+
+    name = "vshape_layout"
 
     def __init__(self):
-        self.patcher = Patcher("vshape_layout")
-        self.stages: int | None = None  # p while installed
+        super().__init__()
         # megatron's functions replaced everywhere, kept for bindings made while installed (see below)
         self._originals: dict[str, object] = {}
 
     @property
-    def installed(self) -> bool:
-        return self.stages is not None
-
-    # -- install / uninstall
+    def stages(self) -> int | None:
+        """p while installed, else None."""
+        return self.options[0] if self.options is not None else None
 
     def install(self, stages: int) -> None:
-        if self.stages == stages:
-            return
-        if self.installed:
-            self.uninstall()
         if not isinstance(stages, int) or stages < 2:
             raise PatchError(f"the V placement needs a pipeline of at least 2 ranks, got p={stages!r}")
-        check_megatron_core_version()
+        super().install(stages)
+
+    def apply(self, stages: int) -> None:
         imports.install()  # megatron.core must import without triton
         parallel_state = importlib.import_module("megatron.core.parallel_state")
         self._refuse_existing_embedding_group(parallel_state)
@@ -178,27 +176,20 @@ class VShapePlacement:
         float16_module = importlib.import_module("megatron.core.transformer.module").Float16Module
         loss_holders = self._training_loss_holders()
 
-        self.stages = stages
-        try:
-            self._replace_everywhere(layer, "get_transformer_layer_offset", self.get_transformer_layer_offset)
-            self._replace_everywhere(block, "get_num_layers_to_build", self.get_num_layers_to_build)
-            self._replace_everywhere(parallel_state, "is_pipeline_last_stage", self.is_pipeline_last_stage)
-            self._replace_everywhere(parallel_state, "default_embedding_ranks", self.default_embedding_ranks)
-            self.patcher.replace(finalize, "get_pp_last_rank", self.get_pp_last_rank)
-            self.patcher.replace(finalize, "_allreduce_word_embedding_grads", self.allreduce_word_embedding_grads)
-            self.patcher.replace(float16_module, "forward", self._float16_forward(float16_module.forward))
-            for module in loss_holders:
-                self.patcher.replace(module, "is_pp_last_stage", self.is_pp_last_stage)
-            if loss_holders:
-                self._replace_everywhere(loss_holders[0], "get_model", self.get_model)
-                self.patcher.replace(loss_holders[0], "print_rank_last", self.print_rank_last)
-        except BaseException:
-            self.uninstall()
-            raise
-
-    def uninstall(self) -> None:
-        self.patcher.restore()
-        self.stages = None
+        patches = self.patches
+        for source, attr, new in ((layer, "get_transformer_layer_offset", self.get_transformer_layer_offset),
+                                  (block, "get_num_layers_to_build", self.get_num_layers_to_build),
+                                  (parallel_state, "is_pipeline_last_stage", self.is_pipeline_last_stage),
+                                  (parallel_state, "default_embedding_ranks", self.default_embedding_ranks)):
+            self._originals[attr] = patches.replace_everywhere(source, attr, new)
+        patches.replace(finalize, "get_pp_last_rank", self.get_pp_last_rank)
+        patches.replace(finalize, "_allreduce_word_embedding_grads", self.allreduce_word_embedding_grads)
+        patches.replace(float16_module, "forward", self._float16_forward(float16_module.forward))
+        for module in loss_holders:
+            patches.replace(module, "is_pp_last_stage", self.is_pp_last_stage)
+        if loss_holders:
+            self._originals["get_model"] = patches.replace_everywhere(loss_holders[0], "get_model", self.get_model)
+            patches.replace(loss_holders[0], "print_rank_last", self.print_rank_last)
 
     @staticmethod
     def _training_loss_holders() -> list:
@@ -221,22 +212,6 @@ class VShapePlacement:
                 "initialize_model_parallel, whose embedding group must hold only the first pipeline rank "
                 "(both ends of the V live there)"
             )
-
-    def _replace_everywhere(self, source, attr: str, new) -> None:
-        """Replace `source.attr` and every megatron module's by-name binding of the same function.
-        Modules imported later bind the replacement, which falls back to megatron's after uninstall."""
-        original = getattr(source, attr)
-        self._originals[attr] = original
-        self.patcher.replace(source, attr, new)
-        for name, mod in list(sys.modules.items()):
-            namespace = getattr(mod, "__dict__", None)
-            if mod is source or namespace is None or not name.startswith("megatron."):
-                continue
-            if name.startswith("megatron.zero_bubble"):
-                continue
-            for binding, value in list(namespace.items()):
-                if value is original:
-                    self.patcher.replace(mod, binding, new)
 
     # -- checks shared by the replacements
 
@@ -354,7 +329,7 @@ class VShapePlacement:
 
     def allreduce_word_embedding_grads(self, model, config, embd_group=None, pp_group=None):
         finalize = sys.modules["megatron.core.distributed.finalize_model_grads"]  # the package hides it
-        self.patcher.original(finalize, "_allreduce_word_embedding_grads")(model, config, embd_group, pp_group)
+        self.patches.original(finalize, "_allreduce_word_embedding_grads")(model, config, embd_group, pp_group)
         if self.installed:
             sum_v_tied_embedding_grads(model)
 
@@ -388,24 +363,19 @@ class VShapePlacement:
         return forward
 
 
-_PLACEMENT = VShapePlacement()
+_PATCH = VShapePlacement()
 
 
 def install(stages: int) -> None:
     """Make megatron-core build and run the V placement for p = `stages` pipeline ranks (idempotent;
     a different p re-installs). Call before initialize_model_parallel and before building the model."""
-    _PLACEMENT.install(stages)
+    _PATCH.install(stages)
 
 
 def uninstall() -> None:
     """Restore every binding replaced by `install()`."""
-    _PLACEMENT.uninstall()
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
-    return _PLACEMENT.installed
-
-
-def installed_stages() -> int | None:
-    """p while the V placement is installed, else None."""
-    return _PLACEMENT.stages
+    return _PATCH.installed

@@ -20,7 +20,6 @@ from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produc
 from ..schedules.costs import Costs
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
-from ..patches import linear_wgrad
 from .p2p import PipelineTransport
 from .replay import Rewind, ValidationPass
 from .wgrad_store import WeightGradStore
@@ -63,12 +62,16 @@ class PipelineExecutor:
     so its lowering is computed once). pass_timer, when set, is called with (op, chunk, mb, seconds) for
     every pass; timing synchronises the device, so enable it only for profiling windows. post_validation,
     when set, is the PostValidation whose pending optimizer step the schedules' V passes validate.
+    split_backward_ready, when given, answers whether megatron's linear layers can defer their W into the
+    stores (the integration layer's patch is in force); split schedules are refused while it says no.
     """
 
-    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None, post_validation=None):
+    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None, post_validation=None,
+                 split_backward_ready: Callable[[], bool] | None = None):
         self.plan_for = plan_for
         self.pass_timer = pass_timer
         self.post_validation = post_validation
+        self.split_backward_ready = split_backward_ready
         self.stores: list[WeightGradStore] = []
         self._attached_to: list[int] = []
         self._lowered: dict[tuple[int, bool], tuple[Schedule, list]] = {}
@@ -137,12 +140,11 @@ class PipelineExecutor:
         if self.post_validation is None and schedule.has_post_validation():
             raise ScheduleError(f"the schedule '{schedule.name}' has V passes but optimizer post-validation is off")
 
-    @staticmethod
-    def check_runtime_support(schedule: Schedule, chunks: list) -> None:
+    def check_runtime_support(self, schedule: Schedule, chunks: list) -> None:
         """Refuse, before any pass, what this runtime cannot run correctly or usefully."""
         if not schedule.uses_split_backward():
             return
-        if not linear_wgrad.installed():
+        if self.split_backward_ready is not None and not self.split_backward_ready():
             # Without the patch B would compute the whole gradient and W nothing: correct, silently slow.
             raise ScheduleError(
                 f"the schedule '{schedule.name}' splits the backward, but the B/W split of the linear layers "

@@ -90,15 +90,14 @@ class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
     def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int],
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, split_backward_ready: Callable[[], bool] | None = None):
         self.settings = settings
         self.current_iteration = current_iteration
         self.log = log  # one line; the caller prints it on global rank 0 only
-        self.executor = PipelineExecutor(self.plan_for)
+        self.executor = PipelineExecutor(self.plan_for, split_backward_ready=split_backward_ready)
         self.costs = settings.initial_costs
         self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profile: PassProfile | None = None
-        self.replanned_at: int | None = None
         self._announced: set[int] = set()
 
     @property
@@ -298,5 +297,4 @@ class ReplanningPipeline:
         self.profile = None
         if schedule is not previous:
             self.schedules[m] = schedule
-            self.replanned_at = first_logged
             self._report(schedule, str(first_logged))
