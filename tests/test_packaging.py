@@ -48,5 +48,5 @@ def test_torch_megatron_core_and_the_training_loops_needs_are_declared():
 
 def test_the_zb_schedule_command_is_an_entry_point():
     scripts = importlib.metadata.entry_points(group="console_scripts")
-    assert any(e.name == "zb-schedule" and e.value.startswith("megatron.zero_bubble.schedules.cli")
+    assert any(e.name == "zb-schedule" and e.value.startswith("megatron.zero_bubble.cli")
                for e in scripts)

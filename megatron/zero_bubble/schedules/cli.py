@@ -318,7 +318,9 @@ def cmd_compare(args) -> int:
     return int(any(not isinstance(e, PlannerUnavailable) for _, e in skipped))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extensions=()) -> argparse.ArgumentParser:
+    """The parser of every subcommand; each extension is called with (subparsers, common options parser,
+    the options of a command that reads one schedule) and adds commands of a layer above this one."""
     common = _Parser(add_help=False)
     common.add_argument("-p", "--stages", type=int, help="pipeline ranks p (default: the --model preset's)")
     common.add_argument("-m", "--microbatches", type=int, help="microbatches m per iteration")
@@ -343,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
 
     parser = _Parser(prog=PROG, description="Plan, simulate, draw, export and compare zero-bubble pipeline schedules.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{export,simulate,draw,compare}")
+    commands = parser.add_subparsers(dest="command", required=True)
     helps = {"export": "print the schedule JSON", "simulate": "print bubble rates, makespan and peak memory",
              "draw": "draw the timeline (PNG/SVG, or text without -o)"}
     for cmd, text in helps.items():
@@ -361,13 +363,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_argument("-o", "--output", help="a picture (.png/.svg) with all schedules stacked")
     sub.add_argument("--separate", action="store_true", help="with -o: one picture per schedule, FILE-<name>.png")
     sub.set_defaults(run=cmd_compare, input=None)
+    for extend in extensions:
+        extend(commands, common, _one_schedule_options)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _one_schedule_options(sub) -> None:
+    sub.add_argument("--schedule", choices=SCHEDULE_NAMES, help="which planner")
+    sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
+    sub.add_argument("--post-validation", action="store_true",
+                     help="insert the post-validation pass V on every rank (single-layout schedules)")
+
+
+def main(argv: list[str] | None = None, extensions=()) -> int:
     args, code = None, 1
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(extensions).parse_args(argv)
         if args.model and args.stages is None:
             args.stages = MODEL_PRESETS[args.model]["stages"]
         return args.run(args) or 0

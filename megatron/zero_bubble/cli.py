@@ -1,0 +1,63 @@
+"""The `zb-schedule` command: the planning commands (schedules/cli.py, pure Python) plus `rehearse`.
+
+`rehearse` runs a plan on local processes with the runtime (torch), so it is added here, above both
+layers, and the planning layer stays free of torch:
+
+    zb-schedule rehearse --schedule zb-h1 --stages 8 --microbatches 32 --t-f 18.5 --t-b 18.1 --t-w 9.3 --t-comm 0.7
+    zb-schedule rehearse --input out/zb/zb-auto-m8-iter5.json --time-unit-ms 1000   (a dump of pretrain_gpt.py)
+
+It prints one JSON object on stdout and a readable summary on stderr.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from .schedules import cli as planning
+
+
+def _add_rehearse(commands, common, one_schedule_options) -> None:
+    sub = commands.add_parser(
+        "rehearse", parents=[common], help="run the plan on local processes, each pass a wait of its planned time",
+        description="Run the schedule with the real executor, lowering and p2p transport (gloo), one process "
+                    "per pipeline rank, each F/B/W a sleep of its planned duration; report planned against "
+                    "actual start of every pass as JSON on stdout.")
+    one_schedule_options(sub)
+    sub.add_argument("--time-unit-ms", type=float, default=1.0,
+                     help="wall milliseconds per unit of the costs (default 1: costs in ms run in real time; a "
+                          "dump of pretrain_gpt.py has costs in seconds: use 1000)")
+    sub.add_argument("--message-kib", type=float, default=None,
+                     help="size of each activation/gradient message in KiB (default 64)")
+    sub.set_defaults(run=cmd_rehearse)
+
+
+def cmd_rehearse(args) -> None:
+    from .runtime.rehearsal import DEFAULT_MESSAGE_KIB, RehearsalOptions, rehearse
+
+    if args.time_unit_ms <= 0:
+        raise planning.UsageError(f"--time-unit-ms must be positive, got {args.time_unit_ms}")
+    if args.stages is not None and args.stages > 64:
+        raise planning.UsageError(f"rehearse starts one process per stage; --stages {args.stages} is more than 64")
+    schedule, costs, _ = planning._schedule_and_timeline(args)
+    message_kib = DEFAULT_MESSAGE_KIB if args.message_kib is None else args.message_kib
+    report = rehearse(schedule, costs, RehearsalOptions(unit_ms=args.time_unit_ms, message_kib=message_kib))
+    sys.stdout.write(json.dumps(report) + "\n")
+    print(summary(report, costs.time_unit), file=sys.stderr)
+
+
+def summary(report: dict, unit: str) -> str:
+    return (
+        f"rehearsed {report['schedule']} on {report['stages']} processes, m={report['microbatches']}: makespan "
+        f"{report['measured_makespan']:.4g} {unit} measured vs {report['simulated_makespan']:.4g} {unit} simulated "
+        f"(ratio {report['ratio']:.3f}); bubble rate {report['measured_bubble_rate']:.4f} measured vs "
+        f"{report['simulated_bubble_rate']:.4f} simulated (paper's measure); latest pass started "
+        f"{report['max_pass_lateness']:.3g} {unit} after its planned start"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return planning.main(argv, extensions=(_add_rehearse,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

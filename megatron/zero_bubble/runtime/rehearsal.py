@@ -1,0 +1,220 @@
+"""Rehearsal: the real executor, lowering and p2p transport with each pass replaced by a wait.
+
+One process per pipeline rank (gloo on this machine). Every rank runs the same per-iteration interpreter
+as training (`executor._Iteration.run` over the program `lower` produced and `check_lowering` proved),
+posts the same receives and sends through `PipelineTransport`, with payloads of a chosen size, but an F,
+B, W or BW pass only waits for its planned duration: a sleep to 0.3 ms before its end, then a spin to the
+end (sleep alone overshoots by about 0.2 ms here). Sleeping ranks cost no CPU, so p = 32 fits on two cores.
+
+What it shows: whether the runtime keeps the simulator's timeline. A receive posted late, a send that
+blocks, a pass that waits for a message it does not need: each makes passes start later than planned,
+reported per pass (planned and actual start) and as `max_pass_lateness`. Times in the result are in the
+schedule's time unit; one unit lasts `unit_ms` milliseconds of wall time.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from ..schedules.comm import consumed, produced
+from ..schedules.costs import Costs
+from ..schedules.schedule import Pass, Schedule
+from ..schedules.simulate import duration, simulate
+from .executor import PipelineExecutor, _Iteration
+from .p2p import PipelineTransport
+
+DEFAULT_MESSAGE_KIB = 64
+
+
+@dataclass
+class RehearsalOptions:
+    unit_ms: float = 1.0  # wall milliseconds per unit of the schedule's costs
+    message_kib: float = DEFAULT_MESSAGE_KIB  # size of each activation / gradient message
+    recv_delay_ms: float = 0.0  # a deliberately slow transport: sleep before posting each receive (tests)
+    delayed_rank: int | None = None  # the rank whose transport is slowed (None: every rank)
+    timeout_s: float = 300.0
+
+
+class _DelayedTransport(PipelineTransport):
+    """A transport that posts every receive late, to prove the rehearsal exposes it."""
+
+    def __init__(self, *args, delay_s: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay_s = delay_s
+
+    def post_recv(self, msg) -> None:
+        time.sleep(self.delay_s)
+        super().post_recv(msg)
+
+
+@dataclass
+class _EmulatedIteration(_Iteration):
+    """The executor's iteration with megatron's forward/backward steps replaced by planned waits."""
+
+    costs: Costs = None
+    unit_s: float = 1e-3
+    t0: float = 0.0
+    payload: torch.Tensor = None
+    record: list = field(default_factory=list)  # (op, mb, chunk, actual start, actual end) in units
+
+    def _compute(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        start = time.monotonic()
+        _sleep_until(start + duration(p, vs, self.costs) * self.unit_s)
+        self.record.append((p.op, p.mb, p.chunk, (start - self.t0) / self.unit_s,
+                            (time.monotonic() - self.t0) / self.unit_s))
+
+    def forward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        if vs > 0:
+            self._incoming(p, "act", vs)
+        self._compute(p)
+        self.saved[(p.mb, p.chunk)] = None
+        if vs < self.last_vstage:
+            self._outgoing(p, "act", self.payload, vs + 1)
+
+    def backward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        self.saved.pop((p.mb, p.chunk))
+        sent = produced(self.schedule, self.rank, Pass("F", p.mb, p.chunk))
+        if sent is not None:
+            self.transport.complete_send(sent)  # as training does: the output is freed before B
+        if vs < self.last_vstage:
+            self._incoming(p, "grad", vs)
+        self._compute(p)
+        if vs > 0:
+            self._outgoing(p, "grad", self.payload, vs - 1)
+
+    def weight(self, p: Pass) -> None:
+        self._compute(p)
+
+    def validation_pass(self, p) -> bool:
+        """Receive the validation sums from the rank above and pass them on; never asks for a replay."""
+        need = consumed(self.schedule, self.rank, p)
+        summary = self.transport.wait_recv(need) if need is not None else torch.zeros(self.transport.validation_numel)
+        out = produced(self.schedule, self.rank, p)
+        if out is not None:
+            self.outgoing[out] = (summary, None)
+        now = (time.monotonic() - self.t0) / self.unit_s
+        self.record.append(("V", 0, 0, now, now))
+        return False
+
+    def apply_validation(self) -> None:
+        return None
+
+
+SPIN_S = 3e-4  # sleep overshoots by about 0.2 ms here: sleep to this much before the deadline, then spin
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left > SPIN_S:
+        time.sleep(left - SPIN_S)
+    while time.monotonic() < deadline:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Costs, options: RehearsalOptions,
+               result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        schedule = Schedule.from_json(schedule_json)
+        executor = PipelineExecutor(lambda m: schedule)
+        run, program, _ = executor._program(schedule, rank, forward_only=False)  # the lowering training runs
+        group = dist.group.WORLD
+        numel = max(1, int(options.message_kib * 1024 // 4))
+        delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
+        transport_type = _DelayedTransport if delayed else PipelineTransport
+        extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
+        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"), validation_numel=2, **extra)
+        # Everyone starts at one agreed instant (CLOCK_MONOTONIC is shared by the processes of a machine).
+        start = torch.tensor([time.monotonic() + 0.2 + 0.01 * world], dtype=torch.float64)
+        dist.broadcast(start, src=0)
+        iteration = _EmulatedIteration(
+            executor=executor, mcore=None, schedule=run, rank=rank, chunks=[None] * schedule.chunks,
+            iterators=[None] * schedule.chunks, config=None, forward_step_func=None,
+            num_microbatches=schedule.microbatches, cp_size=1, forward_only=False, collect_non_loss_data=False,
+            first_val_step=None, transport=transport, device=torch.device("cpu"), stores=[],
+            costs=costs, unit_s=options.unit_ms / 1e3, t0=float(start.item()),
+            payload=torch.zeros(numel, dtype=torch.float32),
+        )
+        _sleep_until(iteration.t0)
+        iteration.run(program)
+        torch.save(iteration.record, os.path.join(result_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def rehearse(schedule: Schedule, costs: Costs, options: RehearsalOptions | None = None) -> dict:
+    """Run `schedule` once on schedule.stages local processes; returns the report (see the module docstring)."""
+    options = options or RehearsalOptions()
+    timeline = simulate(schedule, costs)
+    world = schedule.stages
+    with tempfile.TemporaryDirectory(prefix="zb_rehearsal_") as result_dir:
+        context = torch.multiprocessing.start_processes(
+            _rank_main, args=(world, _free_port(), schedule.to_json(), costs, options, result_dir),
+            nprocs=world, join=False, start_method="fork" if not dist.is_initialized() else "spawn",
+        )
+        deadline = time.monotonic() + options.timeout_s
+        try:
+            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"the rehearsal did not finish in {options.timeout_s:.0f} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        records = [torch.load(os.path.join(result_dir, f"rank{r}.pt")) for r in range(world)]
+    return _report(schedule, timeline, records)
+
+
+def _report(schedule: Schedule, timeline, records: list[list[tuple]]) -> dict:
+    per_rank, lateness, spans, busy = [], 0.0, [], []
+    measured_end = 0.0
+    for rank, (planned, actual) in enumerate(zip(timeline.ranks, records)):
+        passes = []
+        for timed, (op, mb, chunk, start, end) in zip(planned, actual):
+            if (timed.op.op, timed.op.mb, timed.op.chunk) != (op, mb, chunk):
+                raise RuntimeError(f"rank {rank} ran {op}{mb}.{chunk} where the plan has {timed.op}")
+            late = start - timed.start
+            lateness = max(lateness, late)
+            passes.append({"op": op, "mb": mb, "chunk": chunk, "planned_start": timed.start, "actual_start": start,
+                           "actual_end": end, "lateness": late})
+        work = [a for a in actual if a[0] != "V"]
+        span = (work[-1][4] - work[0][3]) if work else 0.0
+        spans.append(span)
+        busy.append(sum(a[4] - a[3] for a in work))
+        measured_end = max(measured_end, max((a[4] for a in actual), default=0.0))
+        per_rank.append({"rank": rank, "measured_span": span, "simulated_span": timeline.span(rank),
+                         "max_lateness": max((p["lateness"] for p in passes), default=0.0), "passes": passes})
+    longest = max(spans, default=0.0)
+    measured_bubble = (longest - max(busy, default=0.0)) / longest if longest > 0 else 0.0
+    return {
+        "schedule": schedule.name or "(from file)",
+        "stages": schedule.stages,
+        "microbatches": schedule.microbatches,
+        "simulated_makespan": timeline.makespan,
+        "measured_makespan": measured_end,
+        "ratio": measured_end / timeline.makespan if timeline.makespan > 0 else math.nan,
+        "simulated_bubble_rate": timeline.bubble_rate,
+        "measured_bubble_rate": measured_bubble,
+        "max_pass_lateness": lateness,
+        "per_rank": per_rank,
+    }

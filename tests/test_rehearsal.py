@@ -1,0 +1,57 @@
+"""Rehearsal: the real executor loop, lowering and gloo transport with each pass a wait of its planned time."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse
+from megatron.zero_bubble.schedules.costs import Costs
+from megatron.zero_bubble.schedules.handcrafted import zb_h1
+from megatron.zero_bubble.schedules.simulate import simulate
+
+KEYS = {"schedule", "stages", "microbatches", "simulated_makespan", "measured_makespan", "ratio",
+        "simulated_bubble_rate", "measured_bubble_rate", "max_pass_lateness", "per_rank"}
+
+
+def test_a_p16_rehearsal_runs_every_planned_pass_no_sooner_than_planned():
+    schedule, costs = zb_h1(16, 32), Costs.make(16, t_f=4.0, t_b=4.0, t_w=3.0, t_comm=0.2)
+    report = rehearse(schedule, costs)
+    assert KEYS <= report.keys() and report["stages"] == 16 and report["microbatches"] == 32
+    timeline = simulate(schedule, costs)
+    for rank, planned in zip(report["per_rank"], timeline.ranks):
+        assert [(p["op"], p["mb"]) for p in rank["passes"]] == [(t.op.op, t.op.mb) for t in planned]
+        assert [p["planned_start"] for p in rank["passes"]] == [t.start for t in planned]
+        # a pass lasts its planned time, so no rank can finish its work sooner than its busy time
+        assert rank["passes"][-1]["actual_end"] - rank["passes"][0]["actual_start"] >= timeline.busy(rank["rank"]) * 0.999
+    assert report["simulated_makespan"] == timeline.makespan
+    assert report["measured_makespan"] >= timeline.makespan * 0.999
+    assert report["ratio"] < 2.0  # a sanity bound only; benchmarks/rehearsal.py measures the real figure
+
+
+def test_a_transport_that_posts_receives_late_shows_as_lateness():
+    schedule, costs = zb_h1(4, 8), Costs.make(4, t_f=5.0, t_b=5.0, t_w=4.0)
+    delay_ms = 30.0
+    slow = rehearse(schedule, costs, RehearsalOptions(recv_delay_ms=delay_ms, delayed_rank=1))
+    # rank 1 posts each of its receives 30 ms late, and its passes wait behind those posts
+    assert slow["per_rank"][1]["max_lateness"] >= delay_ms
+    assert slow["max_pass_lateness"] >= delay_ms and slow["ratio"] > 1.1
+
+
+def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr():
+    command = [sys.executable, "-m", "megatron.zero_bubble.cli", "rehearse", "--schedule", "1f1b", "--stages", "2",
+               "--microbatches", "4", "--t-f", "2", "--t-b", "2", "--t-w", "1", "--time-unit-ms", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(result.stdout)
+    assert KEYS <= report.keys() and report["schedule"] == "1f1b"
+    assert "rehearsed 1f1b on 2 processes" in result.stderr and "ms" in result.stderr
+
+
+@pytest.mark.parametrize("argv,message", [(["--stages", "65"], "more than 64"), (["--time-unit-ms", "0"], "positive")])
+def test_rehearse_refuses_bad_input_in_one_line(argv, message):
+    command = [sys.executable, "-m", "megatron.zero_bubble.cli", "rehearse", "--schedule", "zb-h1",
+               "--microbatches", "8", *(["--stages", "4"] if "--stages" not in argv else []), *argv]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
