@@ -10,8 +10,11 @@ is megatron's own. Without CUDA the CPU backend is installed and gloo is used.
 """
 # The process set-up runs before megatron is imported (import shims, CPU backend). It must stay at the
 # top: megatron's checkpoint writer starts a process that re-imports this module.
+from megatron.zero_bubble.training.arguments import early_check
 from megatron.zero_bubble.training.setup import prepare_process
 
+if __name__ == "__main__":
+    early_check()  # bad flags, paths and sizes: one line within seconds, before megatron is imported
 prepare_process()
 
 from functools import partial  # noqa: E402

@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -432,6 +433,41 @@ def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_tracebac
     errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr + done.stdout
     assert "keep one of them" in errors[0] and "iteration" not in done.stdout
+
+
+EARLY_REFUSALS = {  # label -> (flags, words of the one line); each checked under torchrun with 4 processes
+    "unknown schedule name": (PP4 + ["--pipeline-schedule", "zb-h3"], ["--pipeline-schedule", "zb-h3"]),
+    "dump directory that cannot be created": (PP4 + ["--enable-zero-bubble", "--zero-bubble-dump-schedule", "{file}/dump"],
+                                              ["--zero-bubble-dump-schedule", "cannot create"]),
+    "pipeline size that does not divide the processes": (["--pipeline-model-parallel-size", "3"],
+                                                          ["--pipeline-model-parallel-size 3", "4 processes"]),
+    "pipeline size that does not divide the layers": (["--pipeline-model-parallel-size", "4", "--num-layers", "6"],
+                                                      ["--num-layers 6", "--pipeline-model-parallel-size 4"]),
+}
+
+
+@pytest.mark.parametrize("label", list(EARLY_REFUSALS))
+def test_torchrun_refuses_bad_flags_in_one_line_on_rank_0_within_seconds(work_dir, label):
+    flags, words = EARLY_REFUSALS[label]
+    a_file = os.path.join(work_dir, "a-regular-file")
+    open(a_file, "w").close()
+    flags = [flag.replace("{file}", a_file) for flag in flags]
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
+                           str(_free_port()), "pretrain_gpt.py", *BASE, *flags],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - started
+    output = done.stdout + done.stderr
+    errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert done.returncode != 0 and seconds < 30, (done.returncode, seconds)
+    assert len(errors) == 1, output[-3000:]  # printed once (rank 0), not by every rank
+    for word in words:
+        assert word in errors[0], f"{word!r} not in {errors[0]!r}"
+    assert "usage:" not in output  # no argparse usage dump
+    # the only traceback allowed is torchrun's own report that its children exited non-zero
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    launcher = ("torch/distributed", "bin/torchrun", "<frozen runpy>")
+    assert all(any(name in frame for name in launcher) for frame in frames), frames
 
 
 if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process

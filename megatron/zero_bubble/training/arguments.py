@@ -62,6 +62,20 @@ def _max_pending_backward(text: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """megatron's `extra_args_provider`: the zero-bubble flags and the entry script's own options."""
+    add_zero_bubble_flags(parser)
+    _repair_help_texts(parser)
+    if not _cuda_available():
+        # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
+        # seconds per process for no gain at CPU sizes).
+        parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
+                            no_persist_layer_norm=True, transformer_impl="local",
+                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
+                            masked_softmax_fusion=False)  # its fp16/bf16 kernel is CUDA-only
+    return parser
+
+
+def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
+    """The zero-bubble flags and the entry script's own options (no megatron needed)."""
     group = parser.add_argument_group("zero bubble", "Zero-bubble pipeline schedules (Qi et al., ICLR 2024).")
     group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
                        help="Pipeline schedule. 1f1b and interleaved-1f1b are megatron's own unless "
@@ -116,15 +130,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     entry.add_argument("--init-weights-by-global-name", action="store_true",
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "
                        "so that any pipeline/tensor layout of the model starts from the same weights.")
-    _repair_help_texts(parser)
-    if not _cuda_available():
-        # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
-        # seconds per process for no gain at CPU sizes).
-        parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
-                            no_persist_layer_norm=True, transformer_impl="local",
-                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
-                            masked_softmax_fusion=False)  # its fp16/bf16 kernel is CUDA-only
-    return parser
 
 
 def _repair_help_texts(parser: argparse.ArgumentParser) -> None:
@@ -342,6 +347,7 @@ def refuse(message: str) -> None:
 def check(args) -> ZeroBubbleOptions | None:
     """All start-up checks on parsed (not yet megatron-validated) arguments; None without zero bubble."""
     check_without_zero_bubble(args)
+    check_paths(args)
     if args.zero_bubble_exact_rollback and not args.enable_optimizer_post_validation:
         raise StartupRefusal("--zero-bubble-exact-rollback only applies to --enable-optimizer-post-validation; "
                              "add that flag or drop it")
@@ -398,6 +404,77 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
         raise StartupRefusal(
             "Adam with coupled weight decay cannot be inverted in place; add --zero-bubble-exact-rollback "
             "(or use decoupled weight decay)")
+
+
+class _EarlyParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage (once per rank); one line is enough
+        raise StartupRefusal(message)
+
+
+# Megatron flags whose sizes can be checked before megatron is imported; uneven splits are megatron's to check.
+_SIZES = ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--context-parallel-size",
+          "--num-layers")
+_UNEVEN_SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                       "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
+                       "--account-for-loss-in-pipeline-split")
+
+
+def early_check(argv: list[str] | None = None) -> None:
+    """What can be refused before megatron is even imported (seconds, not minutes, under torchrun): our
+    flags' values, path flags, and model-parallel sizes that do not divide the processes or the layers.
+    Prints one line on rank 0 and exits 2 (see `refuse`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _EarlyParser(add_help=False, allow_abbrev=False)
+    add_zero_bubble_flags(parser)
+    for flag in _SIZES:
+        parser.add_argument(flag, type=int, default=None)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
+                        dest="vpp", type=int, default=None)
+    parser.add_argument("--save", default=None)
+    try:
+        args, _ = parser.parse_known_args(argv)
+        check_paths(args)
+        _check_sizes(args, argv)
+    except StartupRefusal as refusal:
+        refuse(str(refusal))
+
+
+def _writable_directory(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); "
+                             f"pass a directory you can write to") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupRefusal(f"{flag} {path}: the directory is not writable; pass a directory you can write to")
+
+
+def check_paths(args) -> None:
+    """Directories the run writes into must be creatable and writable before anything starts."""
+    if getattr(args, "zero_bubble_dump_schedule", None):
+        _writable_directory(args.zero_bubble_dump_schedule, "--zero-bubble-dump-schedule")
+    if getattr(args, "save", None):
+        _writable_directory(args.save, "--save")
+
+
+def _check_sizes(args, argv: list[str]) -> None:
+    tp, pp, cp = (args.tensor_model_parallel_size or 1), (args.pipeline_model_parallel_size or 1), (
+        args.context_parallel_size or 1)
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world and world % (tp * pp * cp):
+        raise StartupRefusal(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+            + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+            + f" = {tp * pp * cp} does not divide the {world} processes; choose sizes whose product divides "
+            f"the process count (the rest is data parallel)")
+    uneven = any(flag in argv for flag in _UNEVEN_SPLIT_FLAGS)
+    if args.num_layers and pp > 1 and not uneven:
+        chunks = args.vpp or 1
+        if args.num_layers % (pp * chunks):
+            what = f"--pipeline-model-parallel-size {pp}" + (f" x {chunks} virtual stages" if chunks > 1 else "")
+            raise StartupRefusal(
+                f"--num-layers {args.num_layers} is not divisible by {what} = {pp * chunks}; choose a multiple "
+                f"of {pp * chunks} (e.g. {args.num_layers - args.num_layers % (pp * chunks) or pp * chunks})")
 
 
 def parse_and_validate():
