@@ -69,13 +69,15 @@ def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped
 
     split, fused = zb_h1(2, 4), one_f_one_b(2, 4)
     plain, overlapped = SimpleNamespace(), SimpleNamespace(ddp_config=SimpleNamespace(overlap_grad_reduce=True))
-    PipelineExecutor.check_runtime_support(fused, [plain])  # 1F1B needs neither
+    # the session hands the executor the question "is the linear B/W split in force?" (no runtime -> patches import)
+    executor = PipelineExecutor(lambda m: split, split_backward_ready=linear_wgrad.installed)
+    executor.check_runtime_support(fused, [plain])  # 1F1B needs neither
     with pytest.raises(ScheduleError, match="B/W split of the linear layers is not installed"):
-        PipelineExecutor.check_runtime_support(split, [plain])
+        executor.check_runtime_support(split, [plain])
     linear_wgrad.install()
     try:
-        PipelineExecutor.check_runtime_support(split, [plain])
+        executor.check_runtime_support(split, [plain])
         with pytest.raises(ValueError, match="--overlap-grad-reduce is not supported"):
-            PipelineExecutor.check_runtime_support(split, [overlapped])
+            executor.check_runtime_support(split, [overlapped])
     finally:
         linear_wgrad.uninstall()

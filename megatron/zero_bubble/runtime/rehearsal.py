@@ -181,7 +181,7 @@ def rehearse(schedule: Schedule, costs: Costs, options: RehearsalOptions | None 
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-        records = [torch.load(os.path.join(result_dir, f"rank{r}.pt")) for r in range(world)]
+        records = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     return _report(schedule, timeline, records)
 
 

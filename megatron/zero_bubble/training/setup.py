@@ -96,7 +96,8 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     from ..patches import linear_wgrad, optimizer_step, post_validation_training, schedule_selection, vshape_layout
     from ..runtime.replan import ReplanningPipeline
 
-    pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0)
+    pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0,
+                                  split_backward_ready=linear_wgrad.installed)
     if options.schedule in SPLIT_BACKWARD_SCHEDULES and args.transformer_impl == "transformer_engine":
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
                       "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
