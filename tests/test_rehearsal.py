@@ -28,7 +28,7 @@ def test_a_p16_rehearsal_runs_every_planned_pass_no_sooner_than_planned():
         assert rank["passes"][-1]["actual_end"] - rank["passes"][0]["actual_start"] >= timeline.busy(rank["rank"]) * 0.999
     assert report["simulated_makespan"] == timeline.makespan
     assert report["measured_makespan"] >= timeline.makespan * 0.999
-    assert report["ratio"] < 2.0  # a sanity bound only; benchmarks/rehearsal.py measures the real figure
+    # no upper bound here: a loaded CI machine stretches the waits; benchmarks/rehearsal.py measures the ratio
 
 
 def test_a_transport_that_posts_receives_late_shows_as_lateness():

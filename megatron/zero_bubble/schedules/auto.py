@@ -19,57 +19,17 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .auto_problem import TOLERANCE, Plan, Problem, Step, span_lower_bound, to_schedule
 from .costs import Costs
-from .memory import rank_memory_limits
-from .schedule import Pass, Schedule, ScheduleError
+from .ilp import refine
+from .problem import MemoryLimit
+from .schedule import Schedule, ScheduleError
 
-Step = tuple[str, int]  # a pass on one stage: (op, microbatch) with op in "F", "B", "W"
+__all__ = ["Plan", "Problem", "Rule", "Step", "best_heuristic", "default_memory_limit", "greedy",
+           "span_lower_bound", "to_schedule", "zb_auto"]
 
-_TOLERANCE = 1e-9
 # Passes the heuristic may simulate in all (about half a second of CPU): p=32, m=256 gets 16 runs.
 PASS_BUDGET = 400_000
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One order per stage and its longest stage span (own first pass to own last pass)."""
-
-    orders: list[list[Step]]
-    span: float
-    label: str  # which variant produced it, for the schedule's info
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Everything the heuristic and the ILP need, in plain per-stage tuples."""
-
-    stages: int
-    microbatches: int
-    t_f: tuple[float, ...]
-    t_b: tuple[float, ...]
-    t_w: tuple[float, ...]
-    m_f: tuple[float, ...]  # M_B of the paper: what an F adds
-    m_w: tuple[float, ...]  # M_W: what a B keeps for its W
-    t_comm: float
-    limits: tuple[float, ...]  # activation memory each rank may hold, in the costs' unit
-
-    @classmethod
-    def from_costs(cls, stages: int, microbatches: int, costs: Costs, limits: Sequence[float]) -> "Problem":
-        return cls(stages, microbatches, costs.t_f, costs.t_b, costs.t_w, costs.m_f, costs.m_w, costs.t_comm,
-                   tuple(limits))
-
-    def fits(self, s: int, held: float) -> bool:
-        return held <= self.limits[s] * (1 + _TOLERANCE) + _TOLERANCE
-
-    def memory_cap(self, s: int) -> int:
-        """Most F a stage can hold without their B: k M_B fits, and so does the B that follows."""
-        k = self.microbatches
-        while k > 1 and not (self.fits(s, k * self.m_f[s]) and self.fits(s, (k - 1) * self.m_f[s] + self.m_w[s])):
-            k -= 1
-        return k
-
-    def busy(self, s: int) -> float:
-        return self.microbatches * (self.t_f[s] + self.t_b[s] + self.t_w[s])
 
 
 @dataclass(frozen=True)
@@ -100,7 +60,7 @@ def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
     """Schedule F and B in time order with the real costs, placing W as the module docstring says."""
     p, m, tc = problem.stages, problem.microbatches, problem.t_comm
     t_f, t_b, t_w, m_f, m_w = problem.t_f, problem.t_b, problem.t_w, problem.m_f, problem.m_w
-    room = [x * (1 + _TOLERANCE) + _TOLERANCE for x in problem.limits]
+    room = [x * (1 + TOLERANCE) + TOLERANCE for x in problem.limits]
     strict, fill, bubble = rule.strict, rule.fill, rule.bubble
     end_f = [[-1.0] * m for _ in range(p)]
     end_b = [[-1.0] * m for _ in range(p)]
@@ -112,7 +72,7 @@ def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
     most_idle = 0.0
     while events:
         now, s = pop(events)
-        slack = _TOLERANCE * (1.0 + now)
+        slack = TOLERANCE * (1.0 + now)
         if nb[s] == m or free[s] > now + slack:
             continue
         j, k = nb[s], nf[s]
@@ -232,43 +192,11 @@ RULES = tuple(Rule(False, fill, bubble, patience, warmup)
     Rule(True, fill, bubble) for fill in (1.0, 0.5, 0.0) for bubble in (True, False))
 
 
-def span_lower_bound(problem: Problem) -> float:
-    """No schedule that runs each stage's F, B and W in microbatch order has a shorter longest span.
-
-    Chain: stage k runs all its F and B before its last B ends; that B travels back to stage i < k and
-    is followed by its W there, while stage i's span starts when F of microbatch 0 reaches it.
-    Memory: before B of microbatch 0 returns, a stage can only run the F its memory holds; after its
-    last F it can only run the B and W of what it holds until the B of that last F returns.
-    """
-    p, m, tc = problem.stages, problem.microbatches, problem.t_comm
-    t_f, t_b, t_w = problem.t_f, problem.t_b, problem.t_w
-    first = [sum(t_f[:s]) + s * tc for s in range(p)]
-    bound = 0.0
-    for i in range(p):
-        round_trip = sum(t_f[t] + t_b[t] + 2 * tc for t in range(i + 1, p))  # F leaves i, its B returns
-        cap = min(problem.memory_cap(i), m)
-        before_first_b = max(0.0, t_f[i] + round_trip - cap * t_f[i])
-        tail_work = 0.0
-        for held in range(1, cap + 1):  # F still without B when the last F ends
-            room = problem.limits[i] * (1 + _TOLERANCE) - held * problem.m_f[i]
-            pending = m - held if problem.m_w[i] <= 0 else min(m - held, max(0, int(room / problem.m_w[i])))
-            tail_work = max(tail_work, (held - 1) * (t_b[i] + t_w[i]) + pending * t_w[i])
-        after_last_f = max(0.0, round_trip - tail_work)
-        idle = before_first_b + after_last_f if m > cap else max(before_first_b, after_last_f)
-        bound = max(bound, problem.busy(i) + idle)
-    for k in range(1, p):
-        ready = first[k] + m * (t_f[k] + t_b[k])
-        for i in reversed(range(k)):
-            ready += tc + t_b[i]
-            bound = max(bound, ready + t_w[i] - first[i])
-    return bound
-
-
 def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
     """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes."""
     shapes = cap_shapes(problem)
     cost = 3 * problem.stages * problem.microbatches
-    enough = span_lower_bound(problem) * (1 + _TOLERANCE)
+    enough = span_lower_bound(problem) * (1 + TOLERANCE)
     tried: dict[tuple[tuple[int, ...], Rule], Plan] = {}
 
     def run(caps: tuple[int, ...], rule: Rule) -> Plan:
@@ -307,36 +235,36 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
     return best
 
 
-def to_schedule(problem: Problem, plan: Plan, info: dict) -> Schedule:
-    ranks = [[Pass(op, mb) for op, mb in order] for order in plan.orders]
-    return Schedule(problem.stages, 1, problem.microbatches, "single", ranks, name="zb-auto", info=info)
+def default_memory_limit(stages: int) -> float:
+    """ZB-2p: twice 1F1B's peak, in in-flight microbatches (the registry, planners.SCHEDULES, reads it here)."""
+    return 2 * stages
 
 
 def zb_auto(
     stages: int,
     microbatches: int,
     costs: Costs,
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit | float | None = None,
     memory_limit_absolute: float | None = None,
     ilp_time_limit: float = 10.0,
     progress: Callable[[str], None] | None = None,
 ) -> Schedule:
     """ZB-1p (memory_limit=p), ZB-2p (memory_limit=2p, the default) or any other limit.
 
-    memory_limit counts in-flight microbatches (multiples of each rank's M_B); memory_limit_absolute is
-    in the costs' memory unit. ilp_time_limit (seconds, 0 skips) bounds the ILP refinement, whose
-    result replaces the heuristic's only when it simulates to a shorter longest-stage span.
-    progress(line) hears from the ILP about once a second when it runs longer than that.
+    memory_limit is a MemoryLimit or a count of in-flight microbatches (multiples of each rank's M_B);
+    memory_limit_absolute, the older spelling of an absolute limit, is in the costs' memory unit.
+    ilp_time_limit (seconds, 0 skips) bounds the ILP refinement, whose result replaces the heuristic's
+    only when it simulates to a shorter longest-stage span. progress(line) hears from the ILP about once
+    a second when it runs longer than that.
     """
     if stages < 1 or microbatches < 1:
         raise ScheduleError(f"the automatic planner needs a stage and a microbatch, got {stages} and {microbatches}")
     if costs.num_virtual_stages != stages:
         raise ScheduleError(f"costs describe {costs.num_virtual_stages} stages but the pipeline has {stages}")
-    if memory_limit is None and memory_limit_absolute is None:
-        from .planners import default_memory_limit  # on use, as planners imports this module
-
-        memory_limit = default_memory_limit("zb-auto", stages)
-    limits = rank_memory_limits(stages, 1, "single", costs, memory_limit, memory_limit_absolute)
+    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+    if limit is None:
+        limit = MemoryLimit(default_memory_limit(stages))
+    limits = limit.per_rank(stages, 1, "single", costs)
     problem = Problem.from_costs(stages, microbatches, costs, limits)
     for s in range(stages):
         need = max(problem.m_f[s], problem.m_w[s])
@@ -345,11 +273,8 @@ def zb_auto(
                 f"memory limit {limits[s]:.4g} on rank {s} is below one microbatch's activations ({need:.4g})"
             )
     plan = best_heuristic(problem)
-    notes = {"memory_limit": memory_limit, "memory_limit_absolute": memory_limit_absolute,
-             "heuristic": plan.label, "heuristic_span": plan.span}
+    notes = {**limit.to_info(), "heuristic": plan.label, "heuristic_span": plan.span}
     if ilp_time_limit and ilp_time_limit > 0:
-        from .ilp import refine  # highspy is imported only when the refinement runs
-
-        plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)
+        plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)  # imports highspy only now
     notes["span"] = plan.span
     return to_schedule(problem, plan, {"planner": notes})

@@ -23,6 +23,7 @@ from .costs import DEFAULT_MW_RATIO, Costs
 from .draw import check_picture_path, comparison_table, draw, draw_stacked, render_text, simulation_report
 from .planners import SCHEDULE_NAMES, PlanRequest, layout_of, natural_chunks, plan
 from .post_validation import with_post_validation
+from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
 from .simulate import Timeline, simulate
 from .validate import validate
@@ -176,11 +177,11 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
     )
 
 
-def _memory_limits(args, costs: Costs) -> tuple[float | None, float | None]:
+def _memory_limit(args, costs: Costs) -> MemoryLimit | None:
     microbatches, absolute = parse_memory_limit(args.memory_limit)
     if absolute is not None and costs.memory_unit != "bytes":
         raise UsageError("a memory limit in bytes needs costs in bytes: give a model shape (--model or --layers ...)")
-    return microbatches, absolute
+    return MemoryLimit.of(microbatches, absolute)
 
 
 def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Costs, float]:
@@ -196,7 +197,7 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
     if args.ilp_time_limit < 0:
         raise UsageError(f"--ilp-time-limit must not be negative, got {args.ilp_time_limit}")
     costs = build_costs(args, args.stages, chunks_for(name, args), layout_of(name))
-    memory_limit, memory_bytes = _memory_limits(args, costs)
+    memory_limit = _memory_limit(args, costs)
     ilp = f"; its ILP refinement may take up to {args.ilp_time_limit:g} s (--ilp-time-limit)" \
         if name == "zb-auto" and args.ilp_time_limit > 0 else ""
     progress = _Progress(name, progress_stream, f"p={args.stages}, m={args.microbatches}{ilp}")
@@ -206,7 +207,6 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
         costs=costs,
         chunks=None if natural_chunks(name) == 1 else chunks_for(name, args),
         memory_limit=memory_limit,
-        memory_limit_absolute=memory_bytes,
         ilp_time_limit=args.ilp_time_limit,
         progress=progress,
         post_validation=getattr(args, "post_validation", False),
@@ -238,8 +238,7 @@ def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
         costs = Costs.from_dict(schedule.info["costs"])
     else:
         costs = Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
-    memory_limit, memory_bytes = _memory_limits(args, costs)
-    return schedule, costs, validate(schedule, costs, memory_limit, memory_bytes)
+    return schedule, costs, validate(schedule, costs, _memory_limit(args, costs))
 
 
 def _schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs, Timeline]:

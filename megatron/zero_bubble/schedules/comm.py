@@ -6,8 +6,10 @@ pair of ranks we fix ONE sequence of messages (by the simulated time they are pr
 post their side of it in that order: sends right after the compute that produces them, receives as
 early as that order allows, so they overlap with compute. `check_lowering` replays the programs under
 those strict rules (a pair's operations complete only head-to-head, in order) and names any deadlock.
-The post-validation pass V sends the validation result one rank down ("valid" messages, see
-post_validation.py); receives a rank needs after its V are posted after it.
+Which message a pass sends or receives is read from ops.TABLE: an F's activation goes one virtual stage
+up, a B's (or BW's) gradient one down, the post-validation pass V's result one rank down (see
+post_validation.py); a pass receives what its cross-stage dependency sends. After a replay point (V)
+every receive the rank needs is posted after it.
 """
 from __future__ import annotations
 
@@ -15,27 +17,32 @@ from dataclasses import dataclass
 from typing import Union
 
 from .costs import Costs
+from .ops import KIND_NOUNS, RECEIVES, Kind, carries_microbatch, facts
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import Timeline, simulate
 
 
 @dataclass(frozen=True)
 class Message:
-    """An activation (F output, kind "act"), an input gradient (B output, kind "grad") between stages, or
-    the validation result (V output, kind "valid", microbatch 0) from a rank to the one below it."""
+    """An activation (kind ACT), an input gradient (GRAD) between stages, or the validation result (VALID,
+    microbatch 0) from a rank to the one below it. The kind may be given as its string ("act")."""
 
-    kind: str
+    kind: Kind
     mb: int
     src_stage: int
     dst_stage: int
     src: int  # rank
     dst: int
 
+    def __post_init__(self):
+        if type(self.kind) is not Kind:
+            object.__setattr__(self, "kind", Kind(self.kind))
+
     def describe(self) -> str:
-        if self.kind == "valid":
-            return f"the validation result from rank {self.src} to rank {self.dst}"
-        what = "activation" if self.kind == "act" else "gradient"
-        return f"the {what} of microbatch {self.mb} from stage {self.src_stage} to stage {self.dst_stage}"
+        noun = KIND_NOUNS[self.kind]
+        if not carries_microbatch(self.kind):
+            return f"the {noun} from rank {self.src} to rank {self.dst}"
+        return f"the {noun} of microbatch {self.mb} from stage {self.src_stage} to stage {self.dst_stage}"
 
 
 @dataclass(frozen=True)
@@ -51,34 +58,32 @@ class Recv:
 Action = Union[Pass, Send, Recv]
 
 
-def _message(schedule: Schedule, kind: str, mb: int, src_stage: int, dst_stage: int) -> Message | None:
+def _message(schedule: Schedule, kind: Kind, mb: int, src_stage: int, dst_stage: int) -> Message | None:
+    """The message between two virtual stages, if both exist and sit on different ranks (a V's turn does not)."""
+    n = schedule.num_virtual_stages
+    if not (0 <= src_stage < n and 0 <= dst_stage < n):
+        return None
     src, dst = schedule.owner(src_stage)[0], schedule.owner(dst_stage)[0]
     return None if src == dst else Message(kind, mb, src_stage, dst_stage, src, dst)
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
-    """The message a pass sends to another rank, if any (a V layout's turn stays on its rank: no message)."""
-    if p.op == "V":
-        return Message("valid", 0, rank, rank - 1, rank, rank - 1) if rank > 0 else None
+    """The message a pass sends to another rank, if any."""
+    sends = facts(p.op).sends
+    if sends is None:
+        return None
     vs = schedule.virtual_stage(rank, p.chunk)
-    if p.op == "F" and vs < schedule.num_virtual_stages - 1:
-        return _message(schedule, "act", p.mb, vs, vs + 1)
-    if p.op in ("B", "BW") and vs > 0:
-        return _message(schedule, "grad", p.mb, vs, vs - 1)
-    return None
+    return _message(schedule, sends[0], p.mb, vs, vs + sends[1])
 
 
 def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
-    """The message a pass must receive from another rank before it can run, if any."""
-    if p.op == "V":
-        last = schedule.stages - 1
-        return Message("valid", 0, rank + 1, rank, rank + 1, rank) if rank < last else None
+    """The message a pass must receive from another rank before it can run, if any: the output of its
+    dependency on another virtual stage."""
+    receives = RECEIVES[p.op]
+    if receives is None:
+        return None
     vs = schedule.virtual_stage(rank, p.chunk)
-    if p.op == "F" and vs > 0:
-        return _message(schedule, "act", p.mb, vs - 1, vs)
-    if p.op in ("B", "BW") and vs < schedule.num_virtual_stages - 1:
-        return _message(schedule, "grad", p.mb, vs + 1, vs)
-    return None
+    return _message(schedule, receives[0], p.mb, vs + receives[1], vs)
 
 
 def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
@@ -99,7 +104,7 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
             need = consumed(schedule, rank, t.op)
             if need is not None:
                 consume_index[need] = pos
-    validation_index = {rank: pos for rank, pos, p in schedule.passes() if p.op == "V"}  # position of V
+    replay_index = {rank: pos for rank, pos, p in schedule.passes() if facts(p.op).replay_point}
     # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
     slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
     for pair, messages in sorted(pairs.items()):
@@ -108,10 +113,10 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
         for _, _, _, msg in messages:
             send_slot = max(last_slot[msg.src], produce_index[msg] + 1)
             recv_slot = last_slot[msg.dst]
-            v_pos = validation_index.get(msg.dst)
-            if v_pos is not None and consume_index[msg] > v_pos:
+            replay = replay_index.get(msg.dst)
+            if replay is not None and consume_index[msg] > replay:
                 # A receive posted before V could be matched by a replayed message after a rollback.
-                recv_slot = max(recv_slot, v_pos + 1)
+                recv_slot = max(recv_slot, replay + 1)
             if recv_slot > consume_index[msg]:
                 raise ScheduleError(
                     f"rank {msg.dst} cannot post the receive of {msg.describe()} before it needs it: "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from .schedule import ScheduleError
+from .errors import ScheduleError
 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # seconds per unit
 # Paper's activation-memory ratio M_W / M_B for a typical layer (32sbh vs ~sb(34h+5as)).

@@ -2,21 +2,22 @@
 
 `draw` writes PNG or SVG (chosen by the file suffix) with matplotlib, imported only when a picture is
 drawn so the planning layer imports without it: one row per rank, F/B/W/BW as coloured boxes, bubbles
-left blank, the post-validation pass V (no duration) as a thin dark marker. `render_text` gives a rough
-picture for the terminal; `simulation_report` and `comparison_table` are the tables `zb-schedule` prints.
+left blank, passes that take no time of their own (the post-validation pass V) as a thin dark marker.
+`render_text` gives a rough picture for the terminal; `simulation_report` and `comparison_table` are the
+tables `zb-schedule` prints.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
+from .ops import OPS, facts
 from .schedule import ScheduleError
 from .simulate import Timeline
 
 OP_COLOURS = {"F": "#5b9bd5", "B": "#70ad47", "W": "#f4a442", "BW": "#a58bd0"}
-OP_NAMES = {"F": "F (forward)", "B": "B (input grad)", "W": "W (weight grad)", "BW": "BW (fused backward)",
-            "V": "V (post-validation)"}
-VALIDATION_COLOUR = "#222222"
+OP_NAMES = {op: f"{op} ({facts(op).noun})" for op in OPS}  # "F (forward)", ..., "V (post-validation)"
+MARKER_COLOUR = "#222222"  # passes that take no time (V) are a line, not a box
 PICTURE_SUFFIXES = (".png", ".svg")
 
 _ROW_INCHES = 0.42  # height of one rank's row
@@ -143,19 +144,20 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
     s = timeline.schedule
     # One broken_barh per (op, chunk, rank): thousands of boxes stay fast to draw.
     groups: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
-    markers: list[tuple[float, int]] = []  # (time, rank) of each V: it takes no time, so no box
+    markers: list[tuple[float, int, str]] = []  # (time, rank, op) of each pass that takes no time: no box
     for rank, passes in enumerate(timeline.ranks):
         for t in passes:
-            if t.op.op == "V":
-                markers.append((t.start, rank))
+            if not facts(t.op.op).takes_time:
+                markers.append((t.start, rank, t.op.op))
             else:
                 groups.setdefault((t.op.op, t.op.chunk, rank), []).append((t.start, t.end - t.start))
     for (op, chunk, rank), spans in groups.items():
         colour = chunk_colour(op, chunk, s.chunks)
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
     if markers:
-        ax.vlines([x for x, _ in markers], [r - 0.45 for _, r in markers], [r + 0.45 for _, r in markers],
-                  colors=VALIDATION_COLOUR, linewidth=1.6, zorder=3)
+        times, rows = [x for x, _, _ in markers], [r for _, r, _ in markers]
+        ax.vlines(times, [r - 0.45 for r in rows], [r + 0.45 for r in rows], colors=MARKER_COLOUR, linewidth=1.6,
+                  zorder=3)
 
     font = _label_font(timeline, axes_width_in, xmax)
     if font >= _MIN_FONT:
@@ -176,14 +178,14 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
     ax.grid(axis="x", color="#dddddd", linewidth=0.5)
     ax.set_axisbelow(True)
 
-    ops = [op for op in ("F", "B", "W", "BW") if any(key[0] == op for key in groups)]
+    ops = [op for op in OPS if any(key[0] == op for key in groups)]
     handles = [Patch(facecolor=chunk_colour(op, 0, s.chunks), label=OP_NAMES[op]) for op in ops]
     if s.chunks > 1:
         handles += [
             Patch(facecolor=chunk_colour(op, s.chunks - 1, s.chunks), label=f"{op}, chunk {s.chunks - 1}") for op in ops
         ]
-    if markers:
-        handles.append(Line2D([], [], color=VALIDATION_COLOUR, linewidth=1.6, label=OP_NAMES["V"]))
+    for op in dict.fromkeys(op for _, _, op in markers):
+        handles.append(Line2D([], [], color=MARKER_COLOUR, linewidth=1.6, label=OP_NAMES[op]))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 
@@ -240,9 +242,10 @@ def render_text(timeline: Timeline, width: int = 100) -> str:
     lines = [summary(timeline)]
     for rank, passes in enumerate(timeline.ranks):
         row = ["."] * cols
-        for t in sorted(passes, key=lambda t: t.op.op == "V"):  # V last: it takes no time of its own
+        # Passes that take no time (V) last, drawn over whatever shares their time slice.
+        for t in sorted(passes, key=lambda t: not facts(t.op.op).takes_time):
             first, last = int(t.start / span * cols), max(int(t.end / span * cols) - 1, int(t.start / span * cols))
-            char = {"F": "F", "B": "B", "W": "W", "BW": "#", "V": "V"}[t.op.op]
+            char = facts(t.op.op).symbol
             if t.op.chunk:
                 char = char.lower() if char != "#" else "+"
             for c in range(first, min(last, cols - 1) + 1):

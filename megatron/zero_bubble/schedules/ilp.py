@@ -17,8 +17,9 @@ import bisect
 import time
 from typing import Callable
 
-from .auto import Plan, Problem, Step, span_lower_bound, to_schedule
+from .auto_problem import Plan, Problem, Step, span_lower_bound, to_schedule
 from .costs import Costs
+from .ops import facts
 from .schedule import ScheduleError
 from .simulate import simulate
 from .validate import check_memory
@@ -275,14 +276,14 @@ def _stage_rows(problem: Problem, model: _Model, columns: dict, windows: Windows
     for a, b in fixed:
         model.row([(columns[(s, b)], 1.0), (columns[(s, a)], -1.0)], windows.duration(s, a))
     pos = {step: i for i, step in enumerate(order)}
-    mf, mw = problem.m_f[s], problem.m_w[s]
+    weights = {kind: facts(kind).memory_change(problem, s) for kind in KINDS}  # M_F, M_W - M_F, -M_W
     limit = problem.limits[s] * (1 + 1e-9) + 1e-9
     m = problem.microbatches
-    checks = [("F", i) for i in range(m)] + ([("B", j) for j in range(m)] if mw > mf else [])
+    checks = [("F", i) for i in range(m)] + ([("B", j) for j in range(m)] if weights["B"] > 0 else [])
     for x in checks:
         # held after x = M_F * #F up to x - (M_F - M_W) * #B up to x - M_W * #W up to x
         constant, terms = 0.0, []
-        for kind, weight in (("F", mf), ("B", mw - mf), ("W", -mw)):
+        for kind, weight in weights.items():
             for j in range(m):
                 y = (kind, j)
                 if y == x or _forced(y, x):

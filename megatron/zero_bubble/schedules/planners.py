@@ -1,30 +1,48 @@
-"""One entry point for every planner: `plan(name, ...)` returns a validated Schedule.
+"""The schedule registry and its one entry point: `plan(name, request)` returns a validated Schedule.
 
-Planners are pure functions (stages, microbatches, costs, memory limit) -> Schedule. This table is what
-the command line, the benchmarks and the training entry point choose from.
+`SCHEDULES` holds every fact about a schedule name that a caller needs (layout, chunks, split backward,
+cost awareness, default memory limit, post-validation support, the megatron options it conflicts with,
+whether training offers it, and its planner); the command line, the benchmarks, the runtime and the
+training entry point read them here. `plan` fills in a request's defaults before it calls a planner, so
+planners are pure functions (stages, microbatches, costs, memory limit) -> Schedule that never import
+this module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
+from . import auto, baselines, handcrafted, vshape
 from .costs import Costs
+from .ops import Op, facts
 from .post_validation import refuse_unsupported_layout, with_post_validation
+from .problem import MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
 from .validate import validate
 
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind",
+           "conflicting_options", "default_memory_limit", "layout_of", "natural_chunks", "pipeline_schedule_names",
+           "plan", "post_validation_schedules", "resolve", "schedule_kind", "split_backward_schedules"]
+
 
 @dataclass(frozen=True)
-class PlanRequest:
-    stages: int
-    microbatches: int
-    costs: Costs | None = None  # None: uniform unit costs
-    chunks: int | None = None  # None: the schedule's natural chunk count (1, or 2 for V shapes)
-    memory_limit: float | None = None  # in-flight microbatches (p = ZB-1p, 2p = ZB-2p)
-    memory_limit_absolute: float | None = None  # in the costs' memory unit (bytes when costs carry bytes)
-    ilp_time_limit: float = 10.0  # seconds; 0 skips the ILP refinement
-    progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
-    post_validation: bool = False  # insert the post-validation pass V on every rank (single layout only)
+class Conflict:
+    """A megatron option (its argparse dest, e.g. "overlap_grad_reduce") a schedule cannot run with."""
+
+    option: str
+    reason: str  # reads as "--<option> does not work with <schedule> (<reason>)"
+
+
+# Megatron's own rules for placing layers on stages; the V places them evenly over 2p virtual stages.
+_V_PLACEMENT = tuple(
+    Conflict(option, "it splits the layers evenly over 2p virtual stages")
+    for option in ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+                   "decoder_last_pipeline_num_layers", "mtp_num_layers",
+                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+)
+_SPLIT_BACKWARD = (
+    Conflict("overlap_grad_reduce", "deferred weight gradients finish after megatron's per-parameter hooks"),
+)
 
 
 @dataclass(frozen=True)
@@ -35,19 +53,46 @@ class ScheduleKind:
     chunks: int  # natural model chunks per rank
     split_backward: bool  # runs B and W as separate passes (zero-bubble schedules)
     cost_aware: bool  # the pass order depends on the costs, so measured costs call for re-planning
+    build: Callable[[PlanRequest], Schedule]  # the planner, given a request whose defaults are filled in
     # Default limit in in-flight microbatches for p stages; None: the schedule's memory is fixed by its order.
     default_memory_limit: Callable[[int], float] | None = None
+    trainable: bool = True  # offered by pretrain_gpt.py (--pipeline-schedule) and run by the runtime
+
+    @property
+    def post_validation(self) -> bool:
+        """Whether the post-validation pass V can be inserted (V's row in ops.TABLE names its layouts)."""
+        layouts = facts(Op.V).layouts
+        return layouts is None or self.layout in layouts
+
+    @property
+    def conflicting_options(self) -> tuple[Conflict, ...]:
+        return (_V_PLACEMENT if self.layout == "v" else ()) + (_SPLIT_BACKWARD if self.split_backward else ())
+
+
+def _v_shape(planner) -> Callable[[PlanRequest], Schedule]:
+    return lambda r: planner(r.stages, r.microbatches, r.costs, r.memory_limit)
 
 
 SCHEDULES: dict[str, ScheduleKind] = {
-    "1f1b": ScheduleKind("single", 1, split_backward=False, cost_aware=False),
-    "interleaved-1f1b": ScheduleKind("interleaved", 2, split_backward=False, cost_aware=False),
-    "zb-h1": ScheduleKind("single", 1, split_backward=True, cost_aware=False),
-    "zb-h2": ScheduleKind("single", 1, split_backward=True, cost_aware=False),
-    "zb-auto": ScheduleKind("single", 1, split_backward=True, cost_aware=True, default_memory_limit=lambda p: 2 * p),
-    "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: p),
-    "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: (p + 2) // 2),
-    "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, default_memory_limit=lambda p: (p + 4) // 3),
+    "1f1b": ScheduleKind("single", 1, split_backward=False, cost_aware=False,
+                         build=lambda r: baselines.one_f_one_b(r.stages, r.microbatches)),
+    "interleaved-1f1b": ScheduleKind(
+        "interleaved", 2, split_backward=False, cost_aware=False,
+        build=lambda r: baselines.interleaved_one_f_one_b(r.stages, r.microbatches, r.chunks)),
+    "zb-h1": ScheduleKind("single", 1, split_backward=True, cost_aware=False,
+                          build=lambda r: handcrafted.zb_h1(r.stages, r.microbatches)),
+    "zb-h2": ScheduleKind("single", 1, split_backward=True, cost_aware=False,
+                          build=lambda r: handcrafted.zb_h2(r.stages, r.microbatches)),
+    "zb-auto": ScheduleKind(
+        "single", 1, split_backward=True, cost_aware=True, default_memory_limit=auto.default_memory_limit,
+        build=lambda r: auto.zb_auto(r.stages, r.microbatches, r.costs, r.memory_limit,
+                                     ilp_time_limit=r.ilp_time_limit, progress=r.progress)),
+    "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.zb_v),
+                         default_memory_limit=vshape.zb_v_memory_limit),
+    "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.v_half),
+                           default_memory_limit=vshape.v_half_memory_limit, trainable=False),
+    "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.v_min),
+                          default_memory_limit=vshape.v_min_memory_limit, trainable=False),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
@@ -63,68 +108,63 @@ def layout_of(name: str) -> str:
     return schedule_kind(name).layout
 
 
+def natural_chunks(name: str) -> int:
+    return schedule_kind(name).chunks
+
+
 def default_memory_limit(name: str, stages: int) -> float | None:
     """The planner's limit in in-flight microbatches when none is given (None: fixed by the schedule)."""
     limit = schedule_kind(name).default_memory_limit
     return None if limit is None else limit(stages)
 
 
-def natural_chunks(name: str) -> int:
-    return schedule_kind(name).chunks
+def conflicting_options(name: str) -> tuple[Conflict, ...]:
+    return schedule_kind(name).conflicting_options
 
 
-def default_costs(request: PlanRequest, name: str) -> Costs:
-    chunks = request.chunks or natural_chunks(name)
-    if request.costs is not None:
-        return request.costs
-    return Costs.make(request.stages * chunks, chunks=chunks)
+def pipeline_schedule_names() -> tuple[str, ...]:
+    """The schedules training offers (pretrain_gpt.py --pipeline-schedule), in registry order."""
+    return tuple(name for name, kind in SCHEDULES.items() if kind.trainable)
 
 
-def _build(name: str, r: PlanRequest, costs: Costs) -> Schedule:
-    # Imported on use: each planner module is independent and some (the ILP) are heavier to import.
-    chunks = r.chunks or natural_chunks(name)
-    if name == "1f1b":
-        from .baselines import one_f_one_b
+def split_backward_schedules() -> tuple[str, ...]:
+    """Of those, the ones that split the backward into B and W (they need the linear-layer patch)."""
+    return tuple(name for name in pipeline_schedule_names() if SCHEDULES[name].split_backward)
 
-        return one_f_one_b(r.stages, r.microbatches)
-    if name == "interleaved-1f1b":
-        from .baselines import interleaved_one_f_one_b
 
-        return interleaved_one_f_one_b(r.stages, r.microbatches, chunks)
-    if name in ("zb-h1", "zb-h2"):
-        from .handcrafted import zb_h1, zb_h2
+def post_validation_schedules() -> tuple[str, ...]:
+    """Of those, the ones that can run with optimizer post-validation."""
+    return tuple(name for name in pipeline_schedule_names() if SCHEDULES[name].post_validation)
 
-        return (zb_h1 if name == "zb-h1" else zb_h2)(r.stages, r.microbatches)
-    if name == "zb-auto":
-        from .auto import zb_auto
 
-        return zb_auto(
-            r.stages, r.microbatches, costs, r.memory_limit, r.memory_limit_absolute, r.ilp_time_limit, r.progress
-        )
-    if name in ("zb-v", "v-half", "v-min"):
-        from . import vshape
-
-        planner = {"zb-v": vshape.zb_v, "v-half": vshape.v_half, "v-min": vshape.v_min}[name]
-        return planner(r.stages, r.microbatches, costs, r.memory_limit, r.memory_limit_absolute)
-    raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+def resolve(name: str, request: PlanRequest) -> PlanRequest:
+    """The request with its defaults filled in from the registry: chunks, costs and memory limit."""
+    kind = schedule_kind(name)
+    chunks = request.chunks or kind.chunks
+    costs = request.costs if request.costs is not None else Costs.make(request.stages * chunks, chunks=chunks)
+    limit = request.memory_limit
+    if limit is None and kind.default_memory_limit is not None:
+        limit = MemoryLimit(kind.default_memory_limit(request.stages))
+    return replace(request, chunks=chunks, costs=costs, memory_limit=limit)
 
 
 def plan(name: str, request: PlanRequest) -> Schedule:
     """Build the named schedule and check it with the validator before handing it out."""
+    kind = schedule_kind(name)
     if request.stages < 2 and name != "1f1b":
         raise ScheduleError(f"pipeline schedules need at least 2 stages, got {request.stages}")
     if request.microbatches < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
-    if layout_of(name) == "v" and (request.chunks or 2) != 2:
+    if kind.layout == "v" and (request.chunks or kind.chunks) != kind.chunks:
         raise ScheduleError(f"{name} places exactly 2 chunks per rank (a V), got chunks={request.chunks}")
-    if request.post_validation:  # refuse before planning: the V-shape planners can take a while
-        refuse_unsupported_layout(name, layout_of(name))
-    costs = default_costs(request, name)
-    schedule = _build(name, request, costs)
+    if request.post_validation and not kind.post_validation:  # before planning: V shapes can take a while
+        refuse_unsupported_layout(name, kind.layout)
+    request = resolve(name, request)
+    schedule = kind.build(request)
     if request.post_validation:
         schedule = with_post_validation(schedule)
-    timeline = validate(schedule, costs, request.memory_limit, request.memory_limit_absolute)
-    schedule.info.setdefault("costs", costs.to_dict())  # the executor orders its messages on these too
+    timeline = validate(schedule, request.costs, request.memory_limit)
+    schedule.info.setdefault("costs", request.costs.to_dict())  # the executor orders its messages on these too
     schedule.info.setdefault("predicted", {})
     schedule.info["predicted"].update(
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory

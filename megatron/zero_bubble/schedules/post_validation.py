@@ -18,17 +18,16 @@ import copy
 from dataclasses import dataclass, replace
 
 from .comm import Action, Message, Recv, Send, check_lowering
+from .ops import Op, facts, refuse_layout
 from .schedule import Pass, Schedule, ScheduleError
 
-VALIDATION = Pass("V", 0, 0)
+VALIDATION = Pass(Op.V, 0, 0)
+RESULT = facts(Op.V).sends[0]  # the kind of message that carries the result down the ranks
 
 
 def refuse_unsupported_layout(name: str, layout: str) -> None:
     """Post-validation needs one stage per rank: the result walks down the ranks once, before any B."""
-    if layout != "single":
-        raise ScheduleError(
-            f"post-validation supports only the 'single' layout, but schedule '{name}' uses the {layout!r} layout"
-        )
+    refuse_layout(Op.V, name, layout)
 
 
 def with_post_validation(schedule: Schedule) -> Schedule:
@@ -39,7 +38,7 @@ def with_post_validation(schedule: Schedule) -> Schedule:
         raise ScheduleError(f"schedule '{name}' ({schedule.layout} layout) already has post-validation passes")
     ranks = []
     for passes in schedule.ranks:
-        first_backward = next((i for i, p in enumerate(passes) if p.op in ("B", "BW")), len(passes))
+        first_backward = next((i for i, p in enumerate(passes) if p.op in facts(Op.V).precedes), len(passes))
         ranks.append(passes[:first_backward] + [VALIDATION] + passes[first_backward:])
     info = copy.deepcopy(schedule.info)
     info["post_validation"] = True
@@ -55,7 +54,7 @@ class RollbackProgram:
 
 
 def _validation_position(program: list[Action], rank: int) -> int:
-    positions = [i for i, item in enumerate(program) if isinstance(item, Pass) and item.op == "V"]
+    positions = [i for i, item in enumerate(program) if isinstance(item, Pass) and item.op == Op.V]
     if len(positions) != 1:
         raise ScheduleError(f"rank {rank}'s program has {len(positions)} post-validation passes; it needs exactly one")
     return positions[0]
@@ -73,8 +72,8 @@ def pre_validation_messages(programs: list[list[Action]]) -> set[Message]:
 def _is_validation(item: Action) -> bool:
     """V itself, or a Send/Recv of the validation result: neither is replayed after a rollback."""
     if isinstance(item, Pass):
-        return item.op == "V"
-    return item.msg.kind == "valid"
+        return item.op == Op.V
+    return item.msg.kind == RESULT
 
 
 def rollback_programs(schedule: Schedule, programs: list[list[Action]]) -> list[RollbackProgram]:
@@ -88,7 +87,7 @@ def rollback_programs(schedule: Schedule, programs: list[list[Action]]) -> list[
         after = [
             item
             for item in program[v + 1 :]
-            if (isinstance(item, Send) and item.msg.kind == "valid") or (isinstance(item, Recv) and item.msg in stale)
+            if (isinstance(item, Send) and item.msg.kind == RESULT) or (isinstance(item, Recv) and item.msg in stale)
         ]
         restart = [item for item in program if not _is_validation(item)]
         out.append(RollbackProgram(after, restart))

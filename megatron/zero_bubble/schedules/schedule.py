@@ -3,6 +3,7 @@
 Passes are F (forward), B (gradient w.r.t. the input), W (gradient w.r.t. the weights) and BW (fused
 backward, as 1F1B runs it). Each names a microbatch and a model chunk; the layout maps (rank, chunk) to a
 virtual stage. V is the post-validation pass (post_validation.py): one per rank, always Pass("V", 0, 0).
+What each kind of pass needs, costs and sends is in ops.TABLE.
 The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
 """
 from __future__ import annotations
@@ -11,28 +12,31 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
-OPS = ("F", "B", "W", "BW", "V")
+from .errors import ScheduleError
+from .ops import OPS, Op, as_op, facts
+
+__all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "stage_owner", "virtual_stage"]
 LAYOUTS = ("single", "interleaved", "v")
-
-
-class ScheduleError(ValueError):
-    """A schedule, or the request for one, is wrong; the message is one sentence naming what."""
 
 
 @dataclass(frozen=True)
 class Pass:
-    op: str
+    op: Op  # given as Op or its string ("F"); an unknown string is refused here
     mb: int
     chunk: int = 0
 
+    def __post_init__(self):
+        if type(self.op) is not Op:
+            object.__setattr__(self, "op", as_op(self.op))
+
     def __str__(self) -> str:
-        if self.op == "V":
-            return "V"
+        if not facts(self.op).per_microbatch:  # once per rank: its name says it all
+            return self.op.value
         return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
     def describe(self) -> str:
-        if self.op == "V":
-            return "the post-validation pass"
+        if not facts(self.op).per_microbatch:
+            return f"the {facts(self.op).noun} pass"
         chunk = f" (chunk {self.chunk})" if self.chunk else ""
         return f"{self.op} of microbatch {self.mb}{chunk}"
 
@@ -80,10 +84,10 @@ class Schedule:
         return stage_owner(self.layout, self.stages, vstage)
 
     def uses_split_backward(self) -> bool:
-        return any(p.op in ("B", "W") for passes in self.ranks for p in passes)
+        return any(facts(p.op).split for passes in self.ranks for p in passes)
 
     def has_post_validation(self) -> bool:
-        return any(p.op == "V" for passes in self.ranks for p in passes)
+        return any(p.op == Op.V for passes in self.ranks for p in passes)
 
     def passes(self) -> Iterator[tuple[int, int, Pass]]:
         """(rank, position, pass) for every pass."""
@@ -97,7 +101,7 @@ class Schedule:
             "chunks": self.chunks,
             "microbatches": self.microbatches,
             "layout": self.layout,
-            "ranks": [[{"op": p.op, "mb": p.mb, "chunk": p.chunk} for p in r] for r in self.ranks],
+            "ranks": [[{"op": p.op.value, "mb": p.mb, "chunk": p.chunk} for p in r] for r in self.ranks],
         }
         if self.name:
             out["name"] = self.name
@@ -114,6 +118,8 @@ class Schedule:
             raise ScheduleError(f"schedule JSON lacks the key(s) {', '.join(missing)}")
         try:
             ranks = [[Pass(str(a["op"]), int(a["mb"]), int(a.get("chunk", 0))) for a in r] for r in data["ranks"]]
+        except ScheduleError:  # an unknown op: the message names it already
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ScheduleError(f"schedule JSON has a malformed pass ({e}); each needs op, mb and chunk") from None
         known = {"stages", "chunks", "microbatches", "layout", "ranks", "name"}

@@ -1,10 +1,10 @@
 """Simulate a schedule under a cost model: start and end of every pass, bubble rate, peak memory.
 
 Each rank runs its passes in the given order; a pass starts when its rank is free and its
-dependencies have ended (plus T_comm when the dependency ran on another rank).
-Dependencies: F(mb, s) after F(mb, s-1); B(mb, s) after F(mb, s) and B(mb, s+1); W(mb, s) after B(mb, s).
-A BW pass is a B and a W at once. The post-validation pass V (single layout, vstage = rank) takes no
-time and waits for the V of the next rank: the validation result travels from rank p-1 down to rank 0.
+dependencies have ended (plus T_comm when the dependency ran on another rank). Dependencies and
+durations are the rows of ops.TABLE: F(mb, s) after F(mb, s-1); B(mb, s) after F(mb, s) and
+B(mb, s+1); W(mb, s) after B(mb, s); a BW is a B and a W at once; the post-validation pass V takes no
+time and waits for the V of the next rank (the validation result travels from rank p-1 down to rank 0).
 """
 from __future__ import annotations
 
@@ -12,39 +12,21 @@ from dataclasses import dataclass
 
 from .costs import Costs
 from .memory import memory_profile
+from .ops import Op, PassKey, facts
 from .schedule import Pass, Schedule, ScheduleError
-
-# A pass's identity across ranks: (kind, microbatch, virtual stage), kind in F, B, W, V.
-PassKey = tuple[str, int, int]
 
 
 def provides(p: Pass, vstage: int) -> tuple[PassKey, ...]:
-    if p.op == "BW":
-        return (("B", p.mb, vstage), ("W", p.mb, vstage))
-    return ((p.op, p.mb, vstage),)
+    """What the pass counts as for the passes that need it (a BW is a B and a W)."""
+    return tuple((op, p.mb, vstage) for op in facts(p.op).completes)
 
 
 def requires(p: Pass, vstage: int, num_vstages: int) -> tuple[PassKey, ...]:
-    if p.op == "V":
-        return (("V", 0, vstage + 1),) if vstage < num_vstages - 1 else ()
-    if p.op == "F":
-        return (("F", p.mb, vstage - 1),) if vstage > 0 else ()
-    if p.op in ("B", "BW"):
-        later = (("B", p.mb, vstage + 1),) if vstage < num_vstages - 1 else ()
-        return (("F", p.mb, vstage),) + later
-    return (("B", p.mb, vstage),)  # W
+    return facts(p.op).needs_at(p.mb, vstage, num_vstages)
 
 
 def duration(p: Pass, vstage: int, costs: Costs) -> float:
-    if p.op == "V":
-        return 0.0  # only a message's latency (T_comm); the re-step after a rollback is not planned for
-    if p.op == "F":
-        return costs.t_f[vstage]
-    if p.op == "B":
-        return costs.t_b[vstage]
-    if p.op == "W":
-        return costs.t_w[vstage]
-    return costs.t_b[vstage] + costs.t_w[vstage]
+    return facts(p.op).duration(costs, vstage)
 
 
 @dataclass(frozen=True)
@@ -102,6 +84,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     ended: dict[PassKey, tuple[float, int]] = {}
     timed: list[list[TimedPass]] = [[] for _ in range(p)]
     pos, free = [0] * p, [0.0] * p
+    rows: dict[tuple[Op, int], tuple] = {}  # the table's row per (op, virtual stage), worked out once
     progressed = True
     while progressed:
         progressed = False
@@ -110,17 +93,23 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             while pos[rank] < len(passes):
                 op = passes[pos[rank]]
                 vs = schedule.virtual_stage(rank, op.chunk)
-                deps = requires(op, vs, nv)
+                row = rows.get((op.op, vs))
+                if row is None:
+                    f = facts(op.op)
+                    needs = tuple((n.op, vs + n.offset) for n in f.needs if 0 <= vs + n.offset < nv)
+                    row = rows[op.op, vs] = (needs, f.duration(costs, vs), f.completes)
+                needs, length, completes = row
+                deps = [(need, op.mb, stage) for need, stage in needs]
                 if any(d not in ended for d in deps):
                     break
                 ready = max(
                     (ended[d][0] + (costs.t_comm if ended[d][1] != rank else 0.0) for d in deps), default=0.0
                 )
                 start = max(free[rank], ready)
-                end = start + duration(op, vs, costs)
+                end = start + length
                 timed[rank].append(TimedPass(rank, vs, op, start, end))
-                for key in provides(op, vs):
-                    ended[key] = (end, rank)
+                for done in completes:
+                    ended[done, op.mb, vs] = (end, rank)
                 free[rank] = end
                 pos[rank] += 1
                 progressed = True

@@ -1,15 +1,20 @@
 """Check a schedule before anything runs it; every problem is one sentence naming rank, pass and microbatch.
 
-Checks, in order: the shape (ranks, layout, ranges), the post-validation passes V if any, that every
-(microbatch, virtual stage) has exactly one F and one B and W (or one BW) with W after its B, that the
-order cannot deadlock (compute dependencies, then the lowered send/receive order between neighbouring
-ranks, and with V the replay after a rollback), and the memory limit.
+Checks, in order: the shape (ranks, layout, ranges), the once-per-rank passes (V) if any, that every
+(microbatch, virtual stage) gets its work done exactly once (F, B and W, or F and BW) with each pass
+after the same-stage passes it needs, that the order cannot deadlock (compute dependencies, then the
+lowered send/receive order between neighbouring ranks, and with V the replay after a rollback), and
+the memory limit. What each op needs and whether it is once per rank are rows of ops.TABLE.
 """
 from __future__ import annotations
 
+from .comm import check_lowering, lower
 from .costs import Costs
-from .memory import memory_profile, rank_memory_limits
-from .schedule import LAYOUTS, OPS, Schedule, ScheduleError
+from .memory import memory_profile
+from .ops import MICROBATCH_WORK, OPS, facts, per_rank_ops, refuse_layout
+from .post_validation import check_rollback
+from .problem import MemoryLimit
+from .schedule import LAYOUTS, Schedule, ScheduleError
 from .simulate import Timeline, simulate
 
 _MEMORY_TOLERANCE = 1e-9
@@ -30,69 +35,68 @@ def check_structure(schedule: Schedule) -> None:
     if len(s.ranks) != s.stages:
         raise ScheduleError(f"the schedule lists {len(s.ranks)} ranks but says stages={s.stages}")
     for rank, _, p in s.passes():
-        if p.op not in OPS:
-            raise ScheduleError(f"rank {rank} has a pass with unknown op {p.op!r}; expected one of {', '.join(OPS)}")
-        if p.op == "V":  # no microbatch of its own: check_post_validation checks it is mb 0, chunk 0
+        if not facts(p.op).per_microbatch:  # no microbatch of its own: check_once_per_rank checks mb 0, chunk 0
             continue
         if not 0 <= p.mb < s.microbatches:
             raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
         if not 0 <= p.chunk < s.chunks:
             raise ScheduleError(f"rank {rank} runs {p.describe()}, outside chunks 0..{s.chunks - 1}")
-    if s.has_post_validation():
-        check_post_validation(s)
+    present = {p.op for _, _, p in s.passes()}
+    for op in per_rank_ops():
+        if op in present:
+            check_once_per_rank(s, op)
 
 
-def check_post_validation(schedule: Schedule) -> None:
-    """Exactly one V per rank, Pass("V", 0, 0), before the rank's first B or BW, in the single layout."""
-    from .post_validation import refuse_unsupported_layout
-
-    refuse_unsupported_layout(schedule.name or "(unnamed)", schedule.layout)
+def check_once_per_rank(schedule: Schedule, op) -> None:
+    """Exactly one `op` per rank (V), as microbatch 0 and chunk 0, before the passes it must precede, in a
+    layout it is defined for."""
+    f = facts(op)
+    refuse_layout(op, schedule.name or "(unnamed)", schedule.layout)
     for rank, passes in enumerate(schedule.ranks):
-        positions = [pos for pos, p in enumerate(passes) if p.op == "V"]
+        positions = [pos for pos, p in enumerate(passes) if p.op == op]
         if len(positions) != 1:
             raise ScheduleError(
-                f"rank {rank} runs the post-validation pass {len(positions)} times; it needs exactly one V per rank"
+                f"rank {rank} runs the {f.noun} pass {len(positions)} times; it needs exactly one {op} per rank"
             )
-        v = passes[positions[0]]
-        if (v.mb, v.chunk) != (0, 0):
+        own = passes[positions[0]]
+        if (own.mb, own.chunk) != (0, 0):
             raise ScheduleError(
-                f"rank {rank}'s post-validation pass names microbatch {v.mb} and chunk {v.chunk}; "
-                f"V is always mb 0, chunk 0"
+                f"rank {rank}'s {f.noun} pass names microbatch {own.mb} and chunk {own.chunk}; "
+                f"{op} is always mb 0, chunk 0"
             )
-        backward = next((p for p in passes[: positions[0]] if p.op in ("B", "BW")), None)
-        if backward is not None:
+        early = next((p for p in passes[: positions[0]] if p.op in f.precedes), None)
+        if early is not None:
             raise ScheduleError(
-                f"rank {rank} runs {backward.describe()} before its post-validation pass; V must precede every B and BW"
+                f"rank {rank} runs {early.describe()} before its {f.noun} pass; "
+                f"{op} must precede every {' and '.join(f.precedes)}"
             )
 
 
 def check_coverage(schedule: Schedule) -> None:
-    """Exactly one F and one B and W (or one BW) per (microbatch, chunk) on each rank, W after its B."""
+    """Each (microbatch, chunk) on each rank gets F, B and W done exactly once (BW does B and W), every pass
+    after the same-stage passes it needs, and W passes in the order of their B."""
     for rank, passes in enumerate(schedule.ranks):
         seen: dict[tuple[str, int, int], int] = {}
         for pos, p in enumerate(passes):
-            if p.op == "V":  # no microbatch: check_post_validation covers it
+            f = facts(p.op)
+            if not f.per_microbatch:  # no microbatch: check_once_per_rank covers it
                 continue
             key = (p.op, p.mb, p.chunk)
             if key in seen:
                 raise ScheduleError(f"rank {rank} runs {p.describe()} twice (passes {seen[key]} and {pos})")
             seen[key] = pos
-            if p.op == "W" and ("B", p.mb, p.chunk) not in seen:
-                raise ScheduleError(f"rank {rank} runs {p.describe()} before its B")
-
-            if p.op in ("B", "BW") and ("F", p.mb, p.chunk) not in seen:
-                raise ScheduleError(f"rank {rank} runs {p.describe()} before its F")
+            for need in f.needs:
+                if need.offset == 0 and (need.op, p.mb, p.chunk) not in seen:
+                    raise ScheduleError(f"rank {rank} runs {p.describe()} before its {need.op}")
         for chunk in range(schedule.chunks):
             for mb in range(schedule.microbatches):
-                has = {op for op in OPS if (op, mb, chunk) in seen}
                 where = f"microbatch {mb}" + (f" (chunk {chunk})" if chunk else "")
-                if "F" not in has:
-                    raise ScheduleError(f"rank {rank} has no F for {where}")
-                if "BW" in has and has & {"B", "W"}:
-                    raise ScheduleError(f"rank {rank} runs both a fused BW and a split B/W for {where}")
-                for op in ("B", "W"):
-                    if "BW" not in has and op not in has:
-                        raise ScheduleError(f"rank {rank} has no {op} for {where}")
+                done = [work for op in OPS if (op, mb, chunk) in seen for work in facts(op).completes]
+                for work in MICROBATCH_WORK:
+                    if work not in done:
+                        raise ScheduleError(f"rank {rank} has no {work} for {where}")
+                    if done.count(work) > 1:  # two passes do it: only a fused and a split backward can
+                        raise ScheduleError(f"rank {rank} runs both a fused BW and a split B/W for {where}")
         _check_w_follows_b(rank, passes)
 
 
@@ -126,32 +130,27 @@ def check_memory(schedule: Schedule, costs: Costs, limits: list[float]) -> None:
 def validate(
     schedule: Schedule,
     costs: Costs | None = None,
-    memory_limit: float | None = None,
+    memory_limit: MemoryLimit | float | None = None,
     memory_limit_absolute: float | None = None,
     check_comm: bool = True,
 ) -> Timeline:
     """Raise ScheduleError with one sentence on the first problem; return the simulated timeline if none.
 
-    memory_limit is in-flight microbatches (multiples of a rank's M_B); memory_limit_absolute is in the
-    costs' unit (bytes when the costs carry bytes). Without costs, uniform unit costs are used.
+    memory_limit is a MemoryLimit or in-flight microbatches (multiples of a rank's M_B);
+    memory_limit_absolute, the older spelling of an absolute limit, is in the costs' unit (bytes when the
+    costs carry bytes). Without costs, uniform unit costs are used.
     """
+    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
     check_structure(schedule)
     check_coverage(schedule)
     if costs is None:
         costs = Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
     timeline = simulate(schedule, costs)
     if check_comm:
-        from .comm import check_lowering, lower  # the lowering is a separate layer over the same data
-
         programs = lower(schedule, costs, timeline)
         check_lowering(schedule, programs)
         if schedule.has_post_validation():
-            from .post_validation import check_rollback
-
             check_rollback(schedule, programs)
-    limits = rank_memory_limits(
-        schedule.stages, schedule.chunks, schedule.layout, costs, memory_limit, memory_limit_absolute
-    )
-    if limits is not None:
-        check_memory(schedule, costs, limits)
+    if limit is not None:
+        check_memory(schedule, costs, limit.per_rank(schedule.stages, schedule.chunks, schedule.layout, costs))
     return timeline

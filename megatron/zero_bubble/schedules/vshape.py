@@ -21,7 +21,9 @@ import heapq
 from dataclasses import asdict, dataclass
 
 from .costs import Costs
-from .memory import memory_profile, rank_memory_limits
+from .memory import memory_profile
+from .ops import facts
+from .problem import MemoryLimit
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import simulate
 
@@ -103,7 +105,9 @@ class _Greedy:
         self.p, self.m, self.nv, self.costs, self.policy = stages, microbatches, 2 * stages, costs, policy
         self.ranks = [_Rank(r, stages, limits[r]) for r in range(stages)]
         self.ended: dict[tuple[str, int, int], float] = {}  # (op, mb, virtual stage) -> end time
-        self.times = {"F": costs.t_f, "B": costs.t_b, "W": costs.t_w}
+        # ops.TABLE's duration and memory change of F, B and W per virtual stage, looked up once per pass.
+        self.times = {op: [facts(op).duration(costs, v) for v in range(self.nv)] for op in "FBW"}
+        self.memory = {op: [facts(op).memory_change(costs, v) for v in range(self.nv)] for op in "FBW"}
         self.warmup = None if policy.warmup is None else self._warmup_counts(policy.warmup)
         cycle = max(sum(t[v] for t in self.times.values() for v in rk.vstages) for rk in self.ranks)
         self.pace = None if policy.pace is None else policy.pace * cycle
@@ -226,8 +230,8 @@ class _Greedy:
         return None, wake
 
     def _start(self, rk: _Rank, op: str, c: int, mb: int, t: float) -> float:
-        vs, costs = rk.vstages[c], self.costs
-        rk.memory += {"F": costs.m_f[vs], "B": costs.m_w[vs] - costs.m_f[vs], "W": -costs.m_w[vs]}[op]
+        vs = rk.vstages[c]
+        rk.memory += self.memory[op][vs]
         rk.order.append(Pass(op, mb, c))
         rk.next[op, c] += 1
         rk.first_start = t if rk.first_start is None else rk.first_start
@@ -307,16 +311,21 @@ def paper_v_order(stages: int, microbatches: int) -> list[list[Pass]]:
     return ranks
 
 
-def _default_limit(name: str, stages: int) -> float:
-    from .planners import default_memory_limit  # on use: planners imports this module on use too
+def zb_v_memory_limit(stages: int) -> float:
+    """ZB-V's default: p M_B, 1F1B's peak (the registry, planners.SCHEDULES, reads these three here)."""
+    return stages
 
-    return default_memory_limit(name, stages)
+
+def v_half_memory_limit(stages: int) -> float:
+    return (stages + 2) // 2
 
 
-def _limits(name, stages, costs, memory_limit, memory_limit_absolute) -> list[float]:
-    if memory_limit is None and memory_limit_absolute is None:
-        memory_limit = _default_limit(name, stages)
-    limits = rank_memory_limits(stages, 2, "v", costs, memory_limit, memory_limit_absolute)
+def v_min_memory_limit(stages: int) -> float:
+    return (stages + 4) // 3
+
+
+def _limits(stages: int, costs: Costs, memory_limit: MemoryLimit) -> list[float]:
+    limits = memory_limit.per_rank(stages, 2, "v", costs)
     for r, limit in enumerate(limits):
         # Before its first B can free anything, a rank holds both chunks of one microbatch.
         need = costs.m_f[r] + costs.m_f[2 * stages - 1 - r]
@@ -328,13 +337,13 @@ def _limits(name, stages, costs, memory_limit, memory_limit_absolute) -> list[fl
     return limits
 
 
-def _plan(name, stages, microbatches, costs, memory_limit, memory_limit_absolute) -> Schedule:
+def _plan(name: str, stages: int, microbatches: int, costs: Costs | None, memory_limit: MemoryLimit) -> Schedule:
     if stages < 2 or microbatches < 1:
         raise ScheduleError(f"{name} needs at least 2 stages and 1 microbatch, got {stages} and {microbatches}")
     costs = costs if costs is not None else Costs.make(2 * stages, chunks=2)
     if costs.num_virtual_stages != 2 * stages:
         raise ScheduleError(f"{name} needs costs for {2 * stages} virtual stages, got {costs.num_virtual_stages}")
-    limits = _limits(name, stages, costs, memory_limit, memory_limit_absolute)
+    limits = _limits(stages, costs, memory_limit)
     paper = Schedule(stages, 2, microbatches, "v", paper_v_order(stages, microbatches))
     peaks = [max(profile, default=0.0) for profile in memory_profile(paper, costs)]
     paper_fits = all(peak <= limit + _EPS for peak, limit in zip(peaks, limits))
@@ -366,16 +375,25 @@ def _plan(name, stages, microbatches, costs, memory_limit, memory_limit_absolute
     return Schedule(stages, 2, microbatches, "v", best[1], name=name, info={"planner": best[2]})
 
 
+def _limit(memory_limit, memory_limit_absolute, default: float) -> MemoryLimit:
+    """The given limit (a MemoryLimit, in-flight microbatches, or the older absolute keyword), else the default."""
+    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+    return MemoryLimit(default) if limit is None else limit
+
+
 def zb_v(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
     """ZB-V: zero bubble with T_F = T_B = T_W at 1F1B's peak activation memory p M_B (the default limit)."""
-    return _plan("zb-v", stages, microbatches, costs, memory_limit, memory_limit_absolute)
+    return _plan("zb-v", stages, microbatches, costs,
+                 _limit(memory_limit, memory_limit_absolute, zb_v_memory_limit(stages)))
 
 
 def v_half(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
     """V-Half: about half of 1F1B's activation memory, (p+2)//2 M_B by default."""
-    return _plan("v-half", stages, microbatches, costs, memory_limit, memory_limit_absolute)
+    return _plan("v-half", stages, microbatches, costs,
+                 _limit(memory_limit, memory_limit_absolute, v_half_memory_limit(stages)))
 
 
 def v_min(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
     """V-Min: about a third of 1F1B's activation memory, (p+4)//3 M_B by default."""
-    return _plan("v-min", stages, microbatches, costs, memory_limit, memory_limit_absolute)
+    return _plan("v-min", stages, microbatches, costs,
+                 _limit(memory_limit, memory_limit_absolute, v_min_memory_limit(stages)))

@@ -1,0 +1,71 @@
+"""What a planner is asked for: the request and its memory limit, shared by the registry and the planners.
+
+`planners.plan(name, request)` fills in a request's defaults (chunks, costs, memory limit) from the
+registry before it calls a planner, so no planner needs the registry.
+"""
+from __future__ import annotations
+
+from dataclasses import InitVar, dataclass
+from typing import Callable
+
+from .costs import Costs
+from .errors import ScheduleError
+from .schedule import stage_owner
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """A per-rank activation-memory limit in one of two units.
+
+    In-flight microbatches (the default): multiples of each rank's own one-microbatch activations M_B, the
+    unit users think in (p = ZB-1p, 2p = ZB-2p). Absolute: the costs' memory unit (bytes when the costs
+    carry bytes), the same amount on every rank.
+    """
+
+    amount: float
+    absolute: bool = False
+
+    @classmethod
+    def of(cls, microbatches: MemoryLimit | float | None = None, absolute: float | None = None) -> MemoryLimit | None:
+        """The limit from the two optional values that public signatures take; None when neither is given."""
+        if microbatches is not None and absolute is not None:
+            raise ScheduleError("give the memory limit in microbatches or in the costs' unit, not both")
+        if isinstance(microbatches, MemoryLimit):
+            return microbatches
+        if absolute is not None:
+            return cls(absolute, absolute=True)
+        return None if microbatches is None else cls(microbatches)
+
+    def per_rank(self, stages: int, chunks: int, layout: str, costs: Costs) -> list[float]:
+        """Each rank's limit in the costs' unit."""
+        if self.absolute:
+            return [float(self.amount)] * stages
+        # Checked here, where it is applied, as every caller reports planning errors from here on.
+        if self.amount <= 0:
+            raise ScheduleError(f"memory limit must be positive, got {self.amount}")
+        owned = [[] for _ in range(stages)]
+        for v in range(stages * chunks):
+            owned[stage_owner(layout, stages, v)[0]].append(v)
+        return [self.amount * m for m in costs.rank_microbatch_memory(owned)]
+
+    def to_info(self) -> dict:
+        """The two keys a schedule's JSON has always carried for its limit."""
+        return {"memory_limit": None if self.absolute else self.amount,
+                "memory_limit_absolute": self.amount if self.absolute else None}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    stages: int
+    microbatches: int
+    costs: Costs | None = None  # None: uniform unit costs
+    chunks: int | None = None  # None: the schedule's natural chunk count (1, or 2 for V shapes)
+    # A MemoryLimit, or a number of in-flight microbatches; stored as MemoryLimit | None (None: the default).
+    memory_limit: MemoryLimit | float | None = None
+    memory_limit_absolute: InitVar[float | None] = None  # the older spelling of MemoryLimit(x, absolute=True)
+    ilp_time_limit: float = 10.0  # seconds; 0 skips the ILP refinement
+    progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
+    post_validation: bool = False  # insert the post-validation pass V on every rank (single layout only)
+
+    def __post_init__(self, memory_limit_absolute: float | None) -> None:
+        object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit, memory_limit_absolute))
