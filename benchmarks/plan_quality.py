@@ -80,15 +80,16 @@ def describe_row_costs(model: str, p: int, m: int, zbv: bool = False) -> str:
     return "/".join(f"{x:.4g}" for x in profiled_ms(model, p, m, zbv))
 
 
-def row_costs(model: str, p: int, m: int, chunks: int = 1, zbv: bool = False) -> Costs:
+def row_costs(model: str, p: int, m: int, chunks: int = 1, zbv: bool = False, stages: int | None = None) -> Costs:
     """The row's profiled times uniform over stages: the main table's split over a rank's `chunks`
-    chunks, the ZB-V table's per chunk as they are (see the module docstring)."""
+    chunks, the ZB-V table's per chunk as they are (see the module docstring). `stages`: pipeline ranks
+    to spread them over (default: the row's p)."""
     h, a = SHAPES[model]
     t_f, t_b, t_w, t_comm = profiled_ms(model, p, m, zbv)
     split = 1 if zbv else chunks
     mw_ratio = 32 * h / (34 * h + 5 * a * SEQ_LENGTH)
     m_f = 1.0 / chunks
-    return Costs.make(p * chunks, t_f / split, t_b / split, t_w / split, t_comm,
+    return Costs.make((stages or p) * chunks, t_f / split, t_b / split, t_w / split, t_comm,
                       m_f=m_f, m_w=mw_ratio * m_f, chunks=chunks, time_unit="ms")
 
 

@@ -24,29 +24,68 @@ needs_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="t
 
 
 def run_core_layouts() -> dict[str, dict]:
-    """Every layout on the same 4 ranks; data parallelism fills whatever TP x PP leaves."""
+    """Every layout on the same 4 ranks; data parallelism fills whatever TP x PP leaves.
+
+    Also this rank's process groups and threads after each layout and after the harness destroyed them
+    (under "threads": (label, groups in torch's map, threads), in order).
+    """
     half = MICROBATCHES // 2
-    return {
-        "pp1": harness.run_layout(Layout(), SPEC, MICROBATCHES),
-        "pp2": harness.run_layout(Layout(pp=2), SPEC, MICROBATCHES),
-        "pp4": harness.run_layout(Layout(pp=4), SPEC, MICROBATCHES),
-        "tp2_pp2": harness.run_layout(Layout(tp=2, pp=2), SPEC, MICROBATCHES),
-        "pp4_vpp2": harness.run_layout(Layout(pp=4, vpp=2), SPEC, MICROBATCHES),
+    runs = {
+        "pp1": lambda: harness.run_layout(Layout(), SPEC, MICROBATCHES),
+        "pp2": lambda: harness.run_layout(Layout(pp=2), SPEC, MICROBATCHES),
+        "pp4": lambda: harness.run_layout(Layout(pp=4), SPEC, MICROBATCHES),
+        "tp2_pp2": lambda: harness.run_layout(Layout(tp=2, pp=2), SPEC, MICROBATCHES),
+        "pp4_vpp2": lambda: harness.run_layout(Layout(pp=4, vpp=2), SPEC, MICROBATCHES),
         # replica r runs microbatches [r*half, (r+1)*half): the two halves DP=2 x PP=2 averages
-        "pp1_halves": harness.run_layout(Layout(), SPEC, half, shard_data=True),
-        "ddp_dp2_pp2": harness.run_layout(Layout(pp=2), SPEC, half, ddp=True, optimizer_step=True),
-        "tied_pp1": harness.run_layout(Layout(), TIED, half),
-        "tied_ddp_pp2": harness.run_layout(Layout(pp=2), TIED, half, ddp=True, shard_data=False),
+        "pp1_halves": lambda: harness.run_layout(Layout(), SPEC, half, shard_data=True),
+        "ddp_dp2_pp2": lambda: harness.run_layout(Layout(pp=2), SPEC, half, ddp=True, optimizer_step=True),
+        "tied_pp1": lambda: harness.run_layout(Layout(), TIED, half),
+        "tied_ddp_pp2": lambda: harness.run_layout(Layout(pp=2), TIED, half, ddp=True, shard_data=False),
     }
+    reports, threads = {}, []
+    for name, run in runs.items():
+        reports[name] = run()
+        threads.append((name, _group_count(), harness.thread_count()))
+    harness.destroy_parallel_state()
+    threads.append(("destroyed", _group_count(), harness.thread_count()))
+    return {"layouts": reports, "threads": threads}
+
+
+def _group_count() -> int:
+    return len(torch.distributed.distributed_c10d._world.pg_map)
 
 
 @pytest.fixture(scope="module")
-def layouts() -> dict[str, dict[int, dict]]:
+def core_runs() -> list[dict]:
     if torch.cuda.is_available():
         pytest.skip("the CPU backend refuses CUDA machines")
     harness.preload_megatron()
-    per_rank = harness.spawn(run_core_layouts, WORLD, timeout=240, start_method="fork")
+    return harness.spawn(run_core_layouts, WORLD, timeout=240, start_method="fork")
+
+
+@pytest.fixture(scope="module")
+def layouts(core_runs) -> dict[str, dict[int, dict]]:
+    per_rank = [run["layouts"] for run in core_runs]
     return {name: harness.merge_by_dp_rank([ranks[name] for ranks in per_rank]) for name in per_rank[0]}
+
+
+def test_every_layout_leaves_only_its_own_process_groups_and_their_threads(core_runs):
+    """megatron's destroy_model_parallel only drops references: without the harness destroying the groups
+    each layout would add its gloo groups (about 23, three threads each) to the rank: 9 layouts, ~600 threads."""
+    for run in core_runs:
+        *layouts, (_, groups_left, threads_left) = run["threads"]
+        assert groups_left == 1  # WORLD only
+        groups = [count for _, count, _ in layouts]  # 22 to 24 with megatron-core 0.19, by layout
+        assert min(groups) > 10 and max(groups) < 2 * min(groups)  # never two layouts' groups at once
+        assert max(threads for _, _, threads in layouts) < harness.MAX_RANK_THREADS
+        assert threads_left < 20
+
+
+def test_the_harness_refuses_a_rank_that_ends_with_too_many_threads():
+    count = harness.thread_count()
+    assert count >= 1 and harness.check_thread_count("probe", limit=count + 1) == count
+    with pytest.raises(RuntimeError, match=f"{count} threads after probe .*process groups were left alive"):
+        harness.check_thread_count("probe", limit=count)
 
 
 def assert_same_tensors(actual: dict, expected: dict, exact: bool = True, atol: float = 0.0, rtol: float = 0.0) -> None:
@@ -269,6 +308,7 @@ def run_pretrain() -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @needs_cpu_only_machine
 def test_megatron_pretrain_trains_with_tied_embeddings_across_two_stages():
     harness.preload_megatron(training=True)

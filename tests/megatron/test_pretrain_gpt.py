@@ -136,8 +136,54 @@ def work_dir():
         yield work
 
 
+class _Background:
+    """A command started now and read later, its stdout and stderr in files (a pipe left unread would block it)."""
+
+    def __init__(self, name: str, command: list[str], work: str, timeout: float):
+        self.command, self.timeout, self.started = command, timeout, time.monotonic()
+        self.paths = [os.path.join(work, f"{name}.{stream}") for stream in ("stdout", "stderr")]
+        with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
+            self.process = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=err)
+
+    def result(self) -> subprocess.CompletedProcess:
+        try:
+            returncode = self.process.wait(timeout=max(1.0, self.started + self.timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+        stdout, stderr = (open(path).read() for path in self.paths)
+        return subprocess.CompletedProcess(self.command, returncode, stdout, stderr)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 @pytest.fixture(scope="module")
-def runs(work_dir) -> dict[str, str]:
+def side_launches(work_dir) -> dict[str, _Background]:
+    """The launches that take no timings (the PP=1 reference run, the start-up checks, a refusal after megatron's
+    import), started before the 4-rank driver: its ranks wait on each other often enough to leave them a core."""
+    cases = os.path.join(work_dir, "cases.json")
+    with open(cases, "w") as f:
+        json.dump({label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}, f)
+
+    def torchrun(nproc: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(_free_port()), "pretrain_gpt.py"]
+
+    launches = {
+        "single stage": _Background("single-stage", [*torchrun(1), *MODEL, *TRAIN], work_dir, 900),
+        "refusals": _Background("refusals", [sys.executable, os.path.abspath(__file__), "refusals", cases], work_dir, 900),
+        "misspelled flag": _Background("misspelled-flag", [*torchrun(2), *BASE, *MISSPELLED], work_dir, 900),
+    }
+    yield launches
+    for launch in launches.values():
+        launch.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(work_dir, side_launches) -> dict[str, str]:
     """label -> the combined output of all ranks of that run (4-rank launch of this file as the driver)."""
     plan = os.path.join(work_dir, "runs.json")
     with open(plan, "w") as f:
@@ -156,9 +202,9 @@ def runs(work_dir) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def single_stage_log() -> str:
+def single_stage_log(side_launches) -> str:
     """PP=1 run of the same model (the ZB-V reference), launched as a script."""
-    done = _torchrun(1, ["pretrain_gpt.py", *MODEL, *TRAIN], _env(), timeout=300)
+    done = side_launches["single stage"].result()
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -176,16 +222,43 @@ def drive(plan_path: str) -> None:
     import pretrain_gpt  # installs the import shims and the CPU backend at import
     from megatron.training.training import destroy_global_state
 
+    import harness  # beside this file
+
     plan = json.load(open(plan_path))
     rank = int(os.environ["RANK"])
+    harness._watch_thread_count()  # the peak during a run counts, not only what is left after it
     for label, flags in plan["runs"].items():
+        harness._THREAD_PEAK.update(count=0, now=label)
         sys.argv = ["pretrain_gpt.py", *flags]
         with open(os.path.join(plan["out"], _log_name(label, rank)), "w") as out, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            finished = False
             try:
                 pretrain_gpt.main()
+                finished = True
             finally:
                 destroy_global_state()
+                # megatron's destroy drops its groups without closing them: close them, or every run
+                # would leave its gloo threads behind in this process
+                harness.destroy_parallel_state(synchronize=finished)
+                print(f"{THREADS_LINE}{harness.thread_count()}", flush=True)
+                print(f"{PEAK_THREADS_LINE}{harness._THREAD_PEAK['count']}", flush=True)
+
+
+THREADS_LINE = "zero-bubble test driver: threads after the run: "
+PEAK_THREADS_LINE = "zero-bubble test driver: most threads during the run: "
+
+
+def test_no_run_leaves_its_process_groups_behind(runs):
+    """Each rank runs every training run in one process; with the groups of earlier runs left alive a rank
+    held over 1,000 threads by the end."""
+    from tests.megatron.harness import MAX_RANK_THREADS
+
+    for line_start in (THREADS_LINE, PEAK_THREADS_LINE):
+        counts = {label: [int(line[len(line_start):]) for line in log.splitlines() if line.startswith(line_start)]
+                  for label, log in runs.items()}
+        assert all(counts.values()), counts  # every run reported
+        assert max(max(c) for c in counts.values()) < MAX_RANK_THREADS, (line_start, counts)
 
 
 def check_refusals(cases_path: str) -> None:
@@ -208,6 +281,19 @@ def check_refusals(cases_path: str) -> None:
         except arguments.StartupRefusal as refusal:
             results[label] = str(refusal)
     print("REFUSALS " + json.dumps(results))
+    # the megatron flags the early checks parse before megatron is imported, as megatron's parser declares them
+    parsers = []
+    sys.argv = ["pretrain_gpt.py"]
+    parse_args(lambda parser: parsers.append(parser) or arguments.add_arguments(parser))
+    theirs = {flag: action for action in parsers[0]._actions for flag in action.option_strings}
+    ours = {flag: action for action in arguments.early_parser()._actions for flag in action.option_strings}
+
+    def declared(action):
+        return None if action is None else [type(action).__name__, action.dest, action.nargs, action.const,
+                                            action.default, getattr(action.type, "__name__", action.type)]
+
+    print("EARLY_FLAGS " + json.dumps({flag: [declared(action), declared(theirs.get(flag))]
+                                       for flag, action in ours.items()}))
 
 
 # ---------------------------------------------------------------- tests: losses
@@ -398,21 +484,28 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                               ["--zero-bubble-max-pending-backward", "--enable-zero-bubble"]),
     "timer window without the runtime": (PP4 + ["--pipeline-schedule", "1f1b", "--zero-bubble-pipeline-timers-end-iter", "3"],
                                          4, ["--zero-bubble-pipeline-timers-end-iter", "--enable-zb-runtime"]),
+    "misspelled megatron flag": (["--num-layer", "8"], 1, ["unrecognized arguments: --num-layer 8", "--help"]),
     "no zero-bubble flag": ([], 1, None),
     "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
 }
 
 
+# Refused before megatron is imported (pretrain_gpt.py's `early_check`, a second after start), with the same line.
+EARLY = ("conflicting schedule flags", "conflicting --pipeline-schedule", "zb-v layers not divisible by 2p",
+         "zb-v padding asked for", "memory limit below one microbatch", "missing --data-path",
+         "pipeline schedule with PP=1", "zero bubble with PP=1", "post-validation without a schedule",
+         "exact rollback without post-validation", "one-chunk schedule with a virtual pipeline", "runtime flag with PP=1",
+         "zero-bubble option without a schedule", "timer window without the runtime")
+
+
 @pytest.fixture(scope="module")
-def refusals(work_dir) -> dict:
-    cases = os.path.join(work_dir, "cases.json")
-    with open(cases, "w") as f:
-        json.dump({label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}, f)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "refusals", cases], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+def refusals(side_launches) -> dict:
+    done = side_launches["refusals"].result()
     line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
     assert line is not None, done.stderr[-4000:]
-    return json.loads(line[len("REFUSALS "):])
+    assert "usage:" not in done.stdout + done.stderr  # a bad megatron flag is one line too, not argparse's usage
+    flags = next(line for line in done.stdout.splitlines() if line.startswith("EARLY_FLAGS "))
+    return {**json.loads(line[len("REFUSALS "):]), "early flags": json.loads(flags[len("EARLY_FLAGS "):])}
 
 
 @pytest.mark.parametrize("label", list(REFUSALS))
@@ -427,53 +520,149 @@ def test_bad_input_is_refused_with_one_line_naming_the_flag(refusals, label):
         assert word in message, f"{word!r} not in {message!r}"
 
 
-def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_traceback():
-    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *PP4, "--enable-zero-bubble", "--zero-bubble-v-schedule"],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr + done.stdout
-    assert "keep one of them" in errors[0] and "iteration" not in done.stdout
+def _early_refusal(flags: list[str], world_size: int, monkeypatch) -> str | None:
+    from megatron.zero_bubble.training import arguments
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    try:
+        arguments.check_early(flags)
+    except arguments.StartupRefusal as refusal:
+        return str(refusal)
+    return None
 
 
-EARLY_REFUSALS = {  # label -> (flags, words of the one line); each checked under torchrun with 4 processes
-    "unknown schedule name": (PP4 + ["--pipeline-schedule", "zb-h3"], ["--pipeline-schedule", "zb-h3"]),
-    "dump directory that cannot be created": (PP4 + ["--enable-zero-bubble", "--zero-bubble-dump-schedule", "{file}/dump"],
-                                              ["--zero-bubble-dump-schedule", "cannot create"]),
-    "pipeline size that does not divide the processes": (["--pipeline-model-parallel-size", "3"],
-                                                          ["--pipeline-model-parallel-size 3", "4 processes"]),
-    "pipeline size that does not divide the layers": (["--pipeline-model-parallel-size", "4", "--num-layers", "6"],
-                                                      ["--num-layers 6", "--pipeline-model-parallel-size 4"]),
+@pytest.mark.parametrize("label", list(REFUSALS))
+def test_what_needs_no_megatron_is_refused_before_its_import_with_the_same_line(label, monkeypatch):
+    case = REFUSALS[label]
+    message = _early_refusal((case[3] if len(case) > 3 else BASE) + case[0], case[1], monkeypatch)
+    if label not in EARLY:
+        assert message is None  # needs megatron's parsed arguments (or the flags are good)
+        return
+    assert message is not None and "\n" not in message
+    for word in case[2]:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+def test_the_early_parse_reads_megatrons_flags_as_megatron_declares_them(refusals):
+    """Type, nargs, action and destination of each megatron flag the early checks read, against megatron's parser."""
+    from megatron.zero_bubble.training.arguments import _EARLY_MEGATRON_FLAGS
+
+    declared = refusals["early flags"]
+    assert set(_EARLY_MEGATRON_FLAGS) <= set(declared)
+    for flag in _EARLY_MEGATRON_FLAGS:
+        ours, megatrons = declared[flag]
+        assert megatrons is not None, f"megatron has no {flag}"
+        assert ours == megatrons, f"{flag}: ours {ours}, megatron's {megatrons}"
+
+
+EARLY_ONLY = {  # label -> (flags after BASE, WORLD_SIZE, words of the one line): checks only the early parse can do
+    "pipeline size that does not divide the processes": (["--pipeline-model-parallel-size", "3"], 4,
+                                                         ["--pipeline-model-parallel-size 3", "does not divide the 4 processes"]),
+    "model-parallel sizes without a launcher": (PP4, 1, ["does not divide the 1 processes", "torchrun"]),
+    "pipeline size that does not divide the layers": (["--pipeline-model-parallel-size", "4", "--num-layers", "6"], 4,
+                                                      ["--num-layers 6", "--pipeline-model-parallel-size 4", "4 or 8"]),
+    "interleaved chunks that do not divide the layers": (
+        ["--pipeline-model-parallel-size", "2", "--num-layers", "6", "--pipeline-schedule", "interleaved-1f1b"], 2,
+        ["--num-layers 6", "2 model chunks per rank (interleaved-1f1b)", "4 or 8"]),
+    "virtual stages that do not divide the layers": (PP4 + ["--num-virtual-stages-per-pipeline-rank", "4"], 4,
+                                                     ["--num-virtual-stages-per-pipeline-rank 4", "--num-layers 16"]),
+    "unknown schedule name": (PP4 + ["--pipeline-schedule", "zb-h3"], 4,
+                              ["--pipeline-schedule", "'zb-h3'", "1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-auto, zb-v"]),
+    "planner-only schedule": (PP4 + ["--pipeline-schedule", "v-min"], 4, ["--pipeline-schedule", "planner-only"]),
+    "missing schedule name": (PP4 + ["--pipeline-schedule"], 4, ["--pipeline-schedule", "expected one argument"]),
+    "dump directory under a file": (PP4 + ["--enable-zero-bubble", "--zero-bubble-dump-schedule", "{file}/dump"], 4,
+                                    ["--zero-bubble-dump-schedule {file}/dump", "cannot create", "{file} is a file"]),
+    "dump directory in /proc": (PP4 + ["--enable-zero-bubble", "--zero-bubble-dump-schedule", "/proc/zb-dump"], 4,
+                                ["--zero-bubble-dump-schedule /proc/zb-dump", "cannot create"]),
+    "checkpoint directory that is a file": (PP4 + ["--save", "{file}"], 4, ["--save {file}", "is a file"]),
+    "tensorboard directory under a file": (["--tensorboard-dir", "{file}/tb"], 1, ["--tensorboard-dir", "cannot create"]),
+    "missing vocabulary file": (["--vocab-file", "{file}.missing"], 1, ["--vocab-file {file}.missing", "does not exist"]),
 }
 
 
-@pytest.mark.parametrize("label", list(EARLY_REFUSALS))
-def test_torchrun_refuses_bad_flags_in_one_line_on_rank_0_within_seconds(work_dir, label):
-    flags, words = EARLY_REFUSALS[label]
-    a_file = os.path.join(work_dir, "a-regular-file")
+@pytest.mark.parametrize("label", list(EARLY_ONLY))
+def test_paths_sizes_and_names_are_refused_before_megatron_is_imported(label, tmp_path, monkeypatch):
+    flags, world_size, words = EARLY_ONLY[label]
+    a_file = str(tmp_path / "a-regular-file")
     open(a_file, "w").close()
-    flags = [flag.replace("{file}", a_file) for flag in flags]
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-                           str(_free_port()), "pretrain_gpt.py", *BASE, *flags],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    seconds = time.monotonic() - started
+    message = _early_refusal(BASE + [flag.replace("{file}", a_file) for flag in flags], world_size, monkeypatch)
+    assert message is not None and "\n" not in message
+    for word in words:
+        assert word.replace("{file}", a_file) in message, f"{word!r} not in {message!r}"
+
+
+def test_every_run_of_this_file_passes_the_early_checks_and_they_create_the_directories(tmp_path, monkeypatch):
+    for label, flags in _command_lines(str(tmp_path)).items():
+        assert _early_refusal(flags, 4, monkeypatch) is None, label
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-v"]  # created, and empty: the write check cleans up
+    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-v"))
+
+
+def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc: int) -> None:
+    """One error line, printed once (by rank 0), no usage text, no traceback but torchrun's own report."""
     output = done.stdout + done.stderr
     errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
-    assert done.returncode != 0 and seconds < 30, (done.returncode, seconds)
+    assert done.returncode != 0
     assert len(errors) == 1, output[-3000:]  # printed once (rank 0), not by every rank
+    assert errors[0].startswith("pretrain_gpt.py: error: ") and "(rank " not in errors[0]
     for word in words:
         assert word in errors[0], f"{word!r} not in {errors[0]!r}"
     assert "usage:" not in output  # no argparse usage dump
-    # the only traceback allowed is torchrun's own report that its children exited non-zero
+    # The one traceback is torchrun's own (ChildFailedError: a child exited non-zero); none from the ranks.
+    assert output.count("Traceback") == 1 and "ChildFailedError" in output, output[-3000:]
     frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
     launcher = ("torch/distributed", "bin/torchrun", "<frozen runpy>")
     assert all(any(name in frame for name in launcher) for frame in frames), frames
+    # Rank 0 exited first, with status 2 (no rank that refused before it had it killed before it printed); the
+    # others were stopped by torchrun afterwards.
+    root_cause = output.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2 ", root_cause), root_cause
+    statuses = re.findall(r"exitcode +: (-?\d+)", output)
+    assert len(statuses) == nproc and set(statuses) <= {"2", "-15"}, statuses
+
+
+def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_traceback():
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *PP4, "--enable-zero-bubble", "--zero-bubble-v-schedule"],
+                          cwd=REPO, env=dict(_env(), WORLD_SIZE="4"), capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr + done.stdout
+    assert "keep one of them" in errors[0] and done.stdout == ""
+
+
+TORCHRUN_REFUSALS = {  # label -> (flags after BASE, words of the one line); under torchrun with 4 processes
+    "unknown schedule name": (PP4 + ["--pipeline-schedule", "zb-h3"], ["--pipeline-schedule", "'zb-h3'", "zb-h1"]),
+    "dump directory that cannot be created": (PP4 + ["--enable-zero-bubble", "--zero-bubble-dump-schedule", "{file}/dump"],
+                                              ["--zero-bubble-dump-schedule", "cannot create", "is a file"]),
+}
+
+
+@pytest.mark.parametrize("label", list(TORCHRUN_REFUSALS))
+def test_torchrun_refuses_bad_flags_in_one_line_on_rank_0_within_seconds(tmp_path, label):
+    flags, words = TORCHRUN_REFUSALS[label]
+    a_file = str(tmp_path / "a-regular-file")
+    open(a_file, "w").close()
+    started = time.monotonic()
+    done = _torchrun(4, ["pretrain_gpt.py", *BASE, *(flag.replace("{file}", a_file) for flag in flags)], _env(),
+                     timeout=120)
+    seconds = time.monotonic() - started
+    assert seconds < 30, seconds
+    _one_line_refusal(done, words, nproc=4)
+
+
+MISSPELLED = ["--pipeline-model-parallel-size", "2", "--num-layer", "8"]  # megatron's --num-layers
+
+
+def test_torchrun_refuses_a_misspelled_megatron_flag_in_one_line_after_megatrons_import(side_launches):
+    """A refusal after each rank has imported megatron (ranks reach it seconds apart): still one line, by rank 0."""
+    _one_line_refusal(side_launches["misspelled flag"].result(), ["unrecognized arguments: --num-layer 8"], nproc=2)
 
 
 if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process
+    # (its Manager, holding the queue of write results): it runs no megatron code, so the import shims are
+    # enough; the whole CPU backend would import megatron.training there (seconds per rank, at the first save).
     sys.path.insert(0, REPO)
-    from megatron.zero_bubble.training.setup import prepare_process
+    from megatron.zero_bubble.patches import imports
 
-    prepare_process()
+    imports.install()
 elif __name__ == "__main__" and len(sys.argv) > 2:
     {"drive": drive, "refusals": check_refusals}[sys.argv[1]](sys.argv[2])

@@ -48,8 +48,7 @@ def _run_case(case: Case) -> dict:
 
     executor = None
     if case.schedule in V_SCHEDULES:  # the V placement must be in place before the groups are made
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        harness.destroy_parallel_state()
         vshape_layout.install(case.layout.pp)
     if case.schedule is not None or case.patch_only:
         linear_wgrad.install()

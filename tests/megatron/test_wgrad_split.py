@@ -30,12 +30,21 @@ SEQ, BATCH, HIDDEN, FFN = 6, 2, 8, 12
 MICROBATCHES = 3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tp_group():
-    """A one-rank gloo group standing for TP=1 (the layers take it explicitly; no parallel_state)."""
-    if not dist.is_initialized():
+    """A one-rank gloo group standing for TP=1 (the layers take it explicitly; no parallel_state).
+
+    Made for each test and destroyed after it, default group included: this process forks the ranks of
+    the spawned tests below, and a forked rank must not inherit a default process group.
+    """
+    owner = not dist.is_initialized()
+    if owner:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return dist.new_group([0], backend="gloo")
+    group = dist.new_group([0], backend="gloo")
+    yield group
+    dist.destroy_process_group(group)
+    if owner:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
@@ -437,7 +446,8 @@ def _all_spawned_cases() -> dict:
 def spawned():
     from tests.megatron import harness
 
-    return harness.spawn(_all_spawned_cases, 2, timeout=600)
+    harness.preload_megatron()
+    return harness.spawn(_all_spawned_cases, 2, timeout=600, start_method="fork")
 
 
 @pytest.mark.parametrize("kind,bias", CASES)

@@ -4,29 +4,40 @@ Flags are added through megatron's extra-args hook (`add_arguments`), so `--help
 "zero bubble". `parse_and_validate()` parses the command line once without megatron's validation, refuses
 bad combinations with one line naming the flag and the fix (`StartupRefusal`), then runs megatron's own
 `parse_and_validate_args`. Without any zero-bubble flag the run is megatron's own.
+
+Before that, `early_check()` (top of pretrain_gpt.py, before megatron is imported: a second, not minutes,
+under torchrun) parses our flags and the few megatron flags it needs and refuses what needs no megatron: bad
+values, conflicting flags, directories that cannot be written, missing input files, model-parallel sizes that
+divide neither the processes nor the layers. A bad megatron flag is one line too (our parsers' `error`), never
+argparse's usage text, and every refusal is printed once, by rank 0 (`refuse`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
+from typing import NoReturn
 
-from ..schedules.planners import SCHEDULES, PlanRequest, layout_of, natural_chunks, plan
+from ..schedules.planners import (SCHEDULES, PlanRequest, conflicting_options, layout_of, natural_chunks,
+                                  pipeline_schedule_names, plan, post_validation_schedules,
+                                  split_backward_schedules)
 from ..schedules.schedule import ScheduleError
 
-# The schedules pretrain_gpt.py offers (v-half and v-min are planner-only for now); their facts live in
-# planners.SCHEDULES.
-PIPELINE_SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zb-v")
-SPLIT_BACKWARD_SCHEDULES = tuple(name for name in PIPELINE_SCHEDULES if SCHEDULES[name].split_backward)
+# What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
+PIPELINE_SCHEDULES = pipeline_schedule_names()
+SPLIT_BACKWARD_SCHEDULES = split_backward_schedules()
 EXIT_REFUSED = 2
 DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
 # Single-layout schedules: the V pass and its replay are defined for one model chunk per rank.
-POST_VALIDATION_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+POST_VALIDATION_SCHEDULES = post_validation_schedules()
 
 
 class StartupRefusal(Exception):
@@ -51,6 +62,15 @@ class ZeroBubbleOptions:
 # ---------------------------------------------------------------- flags
 
 
+def _schedule_name(text: str) -> str:
+    """--pipeline-schedule's type: one of PIPELINE_SCHEDULES (a bad name is one line, not argparse's usage dump)."""
+    if text in PIPELINE_SCHEDULES:
+        return text
+    planner_only = f" ({text} is planner-only: zb-schedule)" if text in SCHEDULES else ""
+    raise argparse.ArgumentTypeError(f"{text!r} is not a schedule pretrain_gpt.py runs{planner_only}; use one of "
+                                     f"{', '.join(PIPELINE_SCHEDULES)}")
+
+
 def _max_pending_backward(text: str):
     if text == "auto":
         return None
@@ -64,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """megatron's `extra_args_provider`: the zero-bubble flags and the entry script's own options."""
     add_zero_bubble_flags(parser)
     _repair_help_texts(parser)
+    parser.error = _refuse_argparse_error  # a bad megatron flag: one line, not the full usage on every rank
     if not _cuda_available():
         # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
         # seconds per process for no gain at CPU sizes).
@@ -77,8 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     """The zero-bubble flags and the entry script's own options (no megatron needed)."""
     group = parser.add_argument_group("zero bubble", "Zero-bubble pipeline schedules (Qi et al., ICLR 2024).")
-    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
-                       help="Pipeline schedule. 1f1b and interleaved-1f1b are megatron's own unless "
+    group.add_argument("--pipeline-schedule", type=_schedule_name, default=None, metavar="NAME",
+                       help=f"Pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}. 1f1b and interleaved-1f1b are megatron's own unless "
                        "--enable-zb-runtime is given; zb-h1 / zb-h2 are the paper's handcrafted schedules "
                        "(1F1B's memory / twice it), zb-auto its automatic planner, zb-v the V-shape schedule "
                        "(two model chunks per rank). Default: megatron's schedule.")
@@ -130,6 +151,15 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     entry.add_argument("--init-weights-by-global-name", action="store_true",
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "
                        "so that any pipeline/tensor layout of the model starts from the same weights.")
+
+
+def _refuse_argparse_error(message: str):
+    """argparse's `error` for our parsers: a StartupRefusal (one line) instead of the usage text and exit."""
+    if message.startswith("argument "):
+        message = message[len("argument "):]
+    if message.startswith("unrecognized arguments"):
+        message += " (python pretrain_gpt.py --help lists every flag)"
+    raise StartupRefusal(message)
 
 
 def _repair_help_texts(parser: argparse.ArgumentParser) -> None:
@@ -190,20 +220,62 @@ def microbatches(args) -> int:
     return max(1, global_batch // (args.micro_batch_size * data_parallel))
 
 
-def check_data_paths(args) -> None:
-    """Megatron's indexed datasets need PREFIX.bin and PREFIX.idx for every --data-path prefix."""
-    paths = list(args.data_path or [])
-    for flag in ("train_data_path", "valid_data_path", "test_data_path"):
+def _remote(path: str) -> bool:
+    return "://" in path  # object storage (msc://, s3://): megatron's to reach
+
+
+def check_input_files(args) -> None:
+    """Files the run reads: megatron's indexed datasets (PREFIX.bin and PREFIX.idx for every --data-path
+    prefix), the data-args files and the tokenizer's vocabulary and merges."""
+    paths = []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         paths += list(getattr(args, flag, None) or [])
     for prefix in paths:
-        if _is_number(prefix):
+        if _is_number(prefix) or _remote(prefix):
             continue  # a blend weight
         missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
         if missing:
             raise StartupRefusal(
-                f"--data-path: {', '.join(missing)} does not exist; pass the prefix of a megatron indexed "
+                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; pass the prefix of a megatron indexed "
                 f"dataset (PREFIX.bin and PREFIX.idx), or drop --data-path for mock data"
             )
+    for name in ("data_args_path", "per_split_data_args_path", "vocab_file", "merge_file"):
+        path = getattr(args, name, None)
+        if path and not _remote(path) and not os.path.isfile(path):
+            flag = "--" + name.replace("_", "-")
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise StartupRefusal(f"{flag} {path} {what}; pass an existing file or drop {flag}")
+
+
+# Directories the run writes into (megatron's and ours): created and written to once at start-up.
+WRITTEN_DIRECTORIES = ("zero_bubble_dump_schedule", "save", "tensorboard_dir", "data_cache_path")
+
+
+def check_paths(args) -> None:
+    """Directories the run writes into must be creatable and writable before anything starts."""
+    for name in WRITTEN_DIRECTORIES:
+        path = getattr(args, name, None)
+        if path and not _remote(path):
+            _writable_directory(path, "--" + name.replace("_", "-"))
+
+
+def _writable_directory(path: str, flag: str) -> None:
+    """Create `path` (with its parents) and write a file into it, or refuse naming the flag."""
+    fix = "pass a directory you can write to"
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({existing} is a file); {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); {fix}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pretrain_gpt-write-check-"):
+            pass
+    except OSError as error:
+        raise StartupRefusal(f"{flag} {path}: cannot write into the directory ({error.strerror}); {fix}") from None
 
 
 def _is_number(text: str) -> bool:
@@ -216,7 +288,7 @@ def _is_number(text: str) -> bool:
 
 def check_without_zero_bubble(args) -> None:
     """Checks that apply to every run of the entry script (its own data, the CPU backend)."""
-    check_data_paths(args)
+    check_input_files(args)
     if _cuda_available():
         return
     if args.distributed_backend != "gloo":
@@ -225,12 +297,25 @@ def check_without_zero_bubble(args) -> None:
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
 
 
-def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
-    """Refuse flag combinations the chosen schedule cannot run with; the options otherwise."""
+def _through_runtime(args, schedule: str) -> bool:
+    return schedule in SPLIT_BACKWARD_SCHEDULES or args.enable_zb_runtime
+
+
+def _timer_window(args) -> tuple[int, int]:
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    start = DEFAULT_TIMERS[0] if start is None else start
+    end = max(start, DEFAULT_TIMERS[1]) if end is None else end
+    return start, end
+
+
+def check_schedule_flags(args, schedule: str, flag: str) -> None:
+    """The chosen schedule's checks that need only our flags and megatron's pipeline sizes (so they run
+    before megatron is imported as well as after its parsing)."""
     p = args.pipeline_model_parallel_size
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
     vpp = _virtual_stages(args)
+    _check_conflicts(args, schedule, flag)
     if layout_of(schedule) == "v":
         _check_v_layout(args, vpp, flag)
     elif layout_of(schedule) == "interleaved":
@@ -242,23 +327,29 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
             f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank / "
             f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule interleaved-1f1b / zb-v)"
         )
-    through_runtime = schedule in SPLIT_BACKWARD_SCHEDULES or args.enable_zb_runtime
-    if not through_runtime:
+    if not _through_runtime(args, schedule):
         _refuse_runtime_only_flags(args, f"{flag} runs megatron's own schedule; add --enable-zb-runtime or drop")
-        return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
-                                 timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
-    _check_runtime(args, flag, split_backward=schedule in SPLIT_BACKWARD_SCHEDULES)
+        return
     limit = args.zero_bubble_max_pending_backward
     if limit is not None and limit < 1:
         raise StartupRefusal(
             f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
         )
-    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
-    start = DEFAULT_TIMERS[0] if start is None else start
-    end = max(start, DEFAULT_TIMERS[1]) if end is None else end
+    start, end = _timer_window(args)
     if end < start:
         raise StartupRefusal(
             "--zero-bubble-pipeline-timers-end-iter is before --zero-bubble-pipeline-timers-start-iter; swap them")
+
+
+def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
+    """Refuse flag combinations the chosen schedule cannot run with; the options otherwise."""
+    check_schedule_flags(args, schedule, flag)
+    if not _through_runtime(args, schedule):
+        return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
+                                 timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
+    _check_runtime(args, flag)
+    limit = args.zero_bubble_max_pending_backward
+    start, end = _timer_window(args)
     options = ZeroBubbleOptions(
         schedule=schedule, through_runtime=True, memory_limit=limit, timers_start_iter=start, timers_end_iter=end,
         dump_dir=args.zero_bubble_dump_schedule, ilp_time_limit=args.zero_bubble_ilp_time_limit,
@@ -277,12 +368,6 @@ def _check_v_layout(args, vpp, flag: str) -> None:
     p, layers = args.pipeline_model_parallel_size, args.num_layers
     if vpp not in (None, 2):
         raise StartupRefusal(f"{flag} places exactly two model chunks per rank; drop the virtual pipeline flags")
-    for name in ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
-                 "decoder_last_pipeline_num_layers", "mtp_num_layers",
-                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
-        if getattr(args, name, None):
-            raise StartupRefusal(
-                f"{flag} splits the layers evenly over 2p virtual stages; drop --{name.replace('_', '-')}")
     if layers is None or layers % (2 * p):
         below, above = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
         choices = f"{below} or {above}" if below else f"{above}"
@@ -295,12 +380,15 @@ def _check_v_layout(args, vpp, flag: str) -> None:
         )
 
 
-def _check_runtime(args, flag: str, split_backward: bool) -> None:
-    if split_backward and args.overlap_grad_reduce:
-        raise StartupRefusal(
-            f"--overlap-grad-reduce does not work with {flag} yet (deferred weight gradients finish after "
-            f"megatron's per-parameter hooks); drop --overlap-grad-reduce"
-        )
+def _check_conflicts(args, schedule: str, flag: str) -> None:
+    """The megatron options the planning registry says this schedule cannot run with (those parsed so far)."""
+    for conflict in conflicting_options(schedule):
+        if getattr(args, conflict.option, None):
+            option = "--" + conflict.option.replace("_", "-")
+            raise StartupRefusal(f"{option} does not work with {flag} ({conflict.reason}); drop {option}")
+
+
+def _check_runtime(args, flag: str) -> None:
     for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
         if getattr(args, name, False):
             raise StartupRefusal(
@@ -337,10 +425,33 @@ def megatron_defaults(options: ZeroBubbleOptions | None) -> dict:
 # ---------------------------------------------------------------- entry
 
 
-def refuse(message: str) -> None:
-    """Print one line (once, on global rank 0) and stop before any training."""
-    if int(os.environ.get("RANK", "0")) == 0:
+# A rank other than 0 that refuses waits this long for the launcher to stop it (see `refuse`).
+REFUSAL_WAIT_S = 60.0
+
+
+def refuse(message: str) -> NoReturn:
+    """Print one line (once, on global rank 0) and stop before any training, with exit status 2.
+
+    Every rank runs the same checks on the same command line and reaches the same refusal. Rank 0 prints and
+    exits; the others wait quietly for the launcher to stop them (torchrun terminates the remaining ranks as
+    soon as one exits non-zero, so a rank that exited first would have rank 0 killed before it printed) and
+    then exit with the same status. A rank still running after REFUSAL_WAIT_S (rank 0 did not refuse: a
+    directory only this node cannot write, say) prints the line itself, naming its rank.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_REFUSED)
+
+    def stopped(signum, frame):
+        raise SystemExit(EXIT_REFUSED)
+
+    try:
+        signal.signal(signal.SIGTERM, stopped)
+    except ValueError:  # not the main thread: the default (terminated by the signal) is as quiet
+        pass
+    time.sleep(REFUSAL_WAIT_S)
+    print(f"pretrain_gpt.py: error: {message} (rank {rank})", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_REFUSED)
 
 
@@ -348,6 +459,19 @@ def check(args) -> ZeroBubbleOptions | None:
     """All start-up checks on parsed (not yet megatron-validated) arguments; None without zero bubble."""
     check_without_zero_bubble(args)
     check_paths(args)
+    schedule, flag = check_flags(args)
+    if schedule is None:
+        return None
+    options = check_zero_bubble(args, schedule, flag)
+    if args.enable_optimizer_post_validation:
+        check_post_validation(args, options, flag)
+        options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)
+    return options
+
+
+def check_flags(args) -> tuple[str | None, str | None]:
+    """The checks on our own flags (and megatron's pipeline sizes), before megatron is imported and after its
+    parsing: (schedule, the flag that asked for it), or (None, None) for megatron's own schedule."""
     if args.zero_bubble_exact_rollback and not args.enable_optimizer_post_validation:
         raise StartupRefusal("--zero-bubble-exact-rollback only applies to --enable-optimizer-post-validation; "
                              "add that flag or drop it")
@@ -357,12 +481,9 @@ def check(args) -> ZeroBubbleOptions | None:
             raise StartupRefusal("--enable-optimizer-post-validation needs a zero-bubble runtime schedule; add "
                                  "--enable-zero-bubble (or --pipeline-schedule zb-h1 / zb-h2) or drop the flag")
         _refuse_runtime_only_flags(args, "no zero-bubble schedule is chosen; add --enable-zero-bubble or drop")
-        return None
-    options = check_zero_bubble(args, schedule, flag)
-    if args.enable_optimizer_post_validation:
-        check_post_validation(args, options, flag)
-        options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)
-    return options
+    else:
+        check_schedule_flags(args, schedule, flag)
+    return schedule, flag
 
 
 def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
@@ -406,75 +527,107 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
             "(or use decoupled weight decay)")
 
 
-class _EarlyParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print the usage (once per rank); one line is enough
-        raise StartupRefusal(message)
+# ---------------------------------------------------------------- before megatron is imported
 
 
-# Megatron flags whose sizes can be checked before megatron is imported; uneven splits are megatron's to check.
-_SIZES = ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--context-parallel-size",
-          "--num-layers")
-_UNEVEN_SPLIT_FLAGS = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                       "--pipeline-model-parallel-layout", "--account-for-embedding-in-pipeline-split",
-                       "--account-for-loss-in-pipeline-split")
+# Megatron's flags that the checks before megatron's import read, declared as megatron-core 0.19.2 declares
+# them (same destination, type, nargs and action: tests compare them with megatron's parser), so that the
+# early parse reads them exactly as megatron will.
+_EARLY_MEGATRON_FLAGS = {
+    "--num-layers": {"type": int},
+    "--pipeline-model-parallel-size": {"type": int, "default": 1},
+    "--tensor-model-parallel-size": {"type": int, "default": 1},
+    "--context-parallel-size": {"type": int, "default": 1},
+    "--num-virtual-stages-per-pipeline-rank": {"type": int},
+    "--num-layers-per-virtual-pipeline-stage": {"type": int},
+    "--decoder-first-pipeline-num-layers": {"type": int},
+    "--decoder-last-pipeline-num-layers": {"type": int},
+    "--pipeline-model-parallel-layout": {"type": str},
+    "--account-for-embedding-in-pipeline-split": {"action": "store_true"},
+    "--account-for-loss-in-pipeline-split": {"action": "store_true"},
+    "--mtp-num-layers": {"type": int},
+    "--save": {"type": str},
+    "--tensorboard-dir": {"type": str},
+    "--data-cache-path": {},
+    "--data-path": {"nargs": "*"},
+    "--train-data-path": {"nargs": "*"},
+    "--valid-data-path": {"nargs": "*"},
+    "--test-data-path": {"nargs": "*"},
+    "--data-args-path": {"type": str},
+    "--per-split-data-args-path": {"type": str},
+    "--vocab-file": {"type": str},
+    "--merge-file": {"type": str},
+    "--yaml-cfg": {"type": str},
+    "--use-checkpoint-args": {"action": "store_true"},
+}
+# Flags that lay the layers out unevenly over the stages: the divisibility of --num-layers is megatron's to check.
+_UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
+
+
+def early_parser() -> argparse.ArgumentParser:
+    """Our flags and the few megatron flags the early checks read; everything else is left for megatron."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
+    parser.error = _refuse_argparse_error
+    add_zero_bubble_flags(parser)
+    for flag, keywords in _EARLY_MEGATRON_FLAGS.items():
+        parser.add_argument(flag, **keywords)
+    return parser
 
 
 def early_check(argv: list[str] | None = None) -> None:
-    """What can be refused before megatron is even imported (seconds, not minutes, under torchrun): our
-    flags' values, path flags, and model-parallel sizes that do not divide the processes or the layers.
-    Prints one line on rank 0 and exits 2 (see `refuse`)."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = _EarlyParser(add_help=False, allow_abbrev=False)
-    add_zero_bubble_flags(parser)
-    for flag in _SIZES:
-        parser.add_argument(flag, type=int, default=None)
-    parser.add_argument("--virtual-pipeline-model-parallel-size", "--num-virtual-stages-per-pipeline-rank",
-                        dest="vpp", type=int, default=None)
-    parser.add_argument("--save", default=None)
+    """What can be refused before megatron is even imported (a second, not minutes, under torchrun): our flags'
+    values and combinations, paths the run reads or writes, and model-parallel sizes that divide neither the
+    processes nor the layers. Prints one line on rank 0 and exits 2 (see `refuse`)."""
     try:
-        args, _ = parser.parse_known_args(argv)
-        check_paths(args)
-        _check_sizes(args, argv)
+        check_early(sys.argv[1:] if argv is None else argv)
     except StartupRefusal as refusal:
         refuse(str(refusal))
 
 
-def _writable_directory(path: str, flag: str) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); "
-                             f"pass a directory you can write to") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise StartupRefusal(f"{flag} {path}: the directory is not writable; pass a directory you can write to")
+def check_early(argv: list[str]) -> None:
+    """The checks of `early_check`; raises StartupRefusal."""
+    args, _ = early_parser().parse_known_args(argv)
+    check_paths(args)
+    check_input_files(args)
+    if args.yaml_cfg or args.use_checkpoint_args:
+        return  # the sizes and the layer count may come from the YAML file or the checkpoint: megatron's to check
+    _check_world_size(args)
+    schedule, _ = check_flags(args)
+    _check_layer_split(args, schedule)
 
 
-def check_paths(args) -> None:
-    """Directories the run writes into must be creatable and writable before anything starts."""
-    if getattr(args, "zero_bubble_dump_schedule", None):
-        _writable_directory(args.zero_bubble_dump_schedule, "--zero-bubble-dump-schedule")
-    if getattr(args, "save", None):
-        _writable_directory(args.save, "--save")
-
-
-def _check_sizes(args, argv: list[str]) -> None:
-    tp, pp, cp = (args.tensor_model_parallel_size or 1), (args.pipeline_model_parallel_size or 1), (
-        args.context_parallel_size or 1)
-    world = int(os.environ.get("WORLD_SIZE", "0"))
-    if world and world % (tp * pp * cp):
+def _check_world_size(args) -> None:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # as megatron reads it
+    if world % (tp * pp * cp):
+        launch = " (launch with torchrun --nproc-per-node N)" if world == 1 else ""
         raise StartupRefusal(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
             + (f" x --context-parallel-size {cp}" if cp > 1 else "")
-            + f" = {tp * pp * cp} does not divide the {world} processes; choose sizes whose product divides "
-            f"the process count (the rest is data parallel)")
-    uneven = any(flag in argv for flag in _UNEVEN_SPLIT_FLAGS)
-    if args.num_layers and pp > 1 and not uneven:
-        chunks = args.vpp or 1
-        if args.num_layers % (pp * chunks):
-            what = f"--pipeline-model-parallel-size {pp}" + (f" x {chunks} virtual stages" if chunks > 1 else "")
-            raise StartupRefusal(
-                f"--num-layers {args.num_layers} is not divisible by {what} = {pp * chunks}; choose a multiple "
-                f"of {pp * chunks} (e.g. {args.num_layers - args.num_layers % (pp * chunks) or pp * chunks})")
+            + f" = {tp * pp * cp} does not divide the {world} processes{launch}; choose sizes whose product "
+            f"divides the process count (the rest is data parallel)")
+
+
+def _check_layer_split(args, schedule: str | None) -> None:
+    """An even split of --num-layers over the pipeline stages (and model chunks) must come out whole."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if not layers or pp < 2 or args.num_layers_per_virtual_pipeline_stage is not None:
+        return
+    if any(getattr(args, name) for name in _UNEVEN_SPLIT):
+        return
+    chunks = args.num_virtual_stages_per_pipeline_rank or (natural_chunks(schedule) if schedule else 1)
+    if layers % (pp * chunks):
+        what = f"--pipeline-model-parallel-size {pp}"
+        if args.num_virtual_stages_per_pipeline_rank:
+            what += f" x --num-virtual-stages-per-pipeline-rank {chunks}"
+        elif chunks > 1:
+            what += f" x {chunks} model chunks per rank ({schedule})"
+        below, above = layers // (pp * chunks) * pp * chunks, (layers // (pp * chunks) + 1) * pp * chunks
+        raise StartupRefusal(
+            f"--num-layers {layers} is not divisible by {what} = {pp * chunks}; use --num-layers "
+            + (f"{below} or {above}" if below else f"{above}"))
 
 
 def parse_and_validate():
@@ -484,11 +637,11 @@ def parse_and_validate():
     """
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    try:
+    try:  # our parser's errors (megatron's flags included: see add_arguments) and the checks raise StartupRefusal
         options = check(parse_args(add_arguments))
+        args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options))
     except StartupRefusal as refusal:
         refuse(str(refusal))
-    args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options))
     if options is not None and options.post_validation:
         # megatron's default result validation reduces over every rank each iteration: a global barrier
         args.rerun_mode = "disabled"

@@ -1,0 +1,126 @@
+"""Rehearsal of the real runtime at p = 4..32 against the simulator (issue: prove the speed without GPUs).
+
+    python benchmarks/rehearsal.py [--stages 4,8,16,32] [--reps 5] [--ilp-time-limit 10] [--unit-ms 1]
+
+Each row runs every schedule on p local processes (gloo): the executor's own iteration loop, lowering and
+transport, each F/B/W pass a wait of its planned time (see megatron/zero_bubble/runtime/rehearsal.py).
+Costs: the paper's profiled T_F/T_B/T_W/T_comm of one row per size, in ms (p=4 takes the 1.5B row's
+costs, p=8 6.2B, p=16 14.6B, p=32 28.3B; m = 4p throughout). ZB-V gives each of its two chunks half a
+rank's time, as 1F1B-I does in plan_quality.py.
+
+Protocol: the schedules run in turn (A B C ... A B C ...), `--reps` times, so slow phases of the machine
+hit all of them alike. Printed per schedule: the simulated makespan, the measured makespan's
+min / median / max over the reps, and ratio = median measured / simulated. A row's verdict: every ratio
+<= 1.03, and the medians rank the schedules as the simulator does (pairs whose simulated makespans are
+within 1% of each other count as ties).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for path in (HERE.parent, HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from plan_quality import row_costs  # noqa: E402
+
+from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse  # noqa: E402
+from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
+
+ROW_OF_SIZE = {4: ("1.5B", 8, 24), 8: ("6.2B", 8, 32), 16: ("14.6B", 16, 64), 32: ("28.3B", 32, 128)}
+# label -> (planner name, memory limit as a multiple of p or None for the schedule's own, chunks)
+SCHEDULES = {
+    "1f1b": ("1f1b", None, 1),
+    "zb-h1": ("zb-h1", None, 1),
+    "zb-h2": ("zb-h2", None, 1),
+    "zb-auto p": ("zb-auto", 1, 1),
+    "zb-auto 2p": ("zb-auto", 2, 1),
+    "zb-v": ("zb-v", None, 2),
+}
+RATIO_GOAL = 1.03
+TIE = 0.01
+
+
+def build(label: str, p: int, m: int, ilp_time_limit: float):
+    name, limit, chunks = SCHEDULES[label]
+    model, row_p, row_m = ROW_OF_SIZE[p]
+    costs = row_costs(model, row_p, row_m, chunks=chunks, stages=p)
+    request = PlanRequest(stages=p, microbatches=m, costs=costs, chunks=chunks,
+                          memory_limit=None if limit is None else limit * p, ilp_time_limit=ilp_time_limit)
+    return plan(name, request), costs
+
+
+def order_agrees(simulated: dict[str, float], measured: dict[str, float]) -> list[str]:
+    """The pairs the measurement ranks against the simulator (beyond ties)."""
+    wrong = []
+    labels = list(simulated)
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            if abs(simulated[a] - simulated[b]) <= TIE * max(simulated[a], simulated[b]):
+                continue
+            if (simulated[a] < simulated[b]) != (measured[a] < measured[b]):
+                wrong.append(f"{a} vs {b}")
+    return wrong
+
+
+def run_row(p: int, reps: int, ilp_time_limit: float, unit_ms: float) -> bool:
+    m = 4 * p
+    model = ROW_OF_SIZE[p][0]
+    planned = {}
+    for label in SCHEDULES:
+        start = time.monotonic()
+        planned[label] = build(label, p, m, ilp_time_limit)
+        print(f"# p={p}: planned {label} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+    measured = {label: [] for label in SCHEDULES}
+    lateness = {label: [] for label in SCHEDULES}
+    simulated = {}
+    options = RehearsalOptions(unit_ms=unit_ms)
+    for rep in range(reps):
+        for label, (schedule, costs) in planned.items():
+            report = rehearse(schedule, costs, options)
+            simulated[label] = report["simulated_makespan"]
+            measured[label].append(report["measured_makespan"])
+            lateness[label].append(report["max_pass_lateness"])
+        print(f"# p={p}: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    print(f"\np={p} m={m} ({model} row costs, ms; {reps} reps, schedules alternated)")
+    print(f"{'schedule':<12}{'simulated':>11}{'min':>10}{'median':>10}{'max':>10}{'ratio':>8}{'late med':>10}")
+    medians, ok = {}, True
+    for label in SCHEDULES:
+        runs = measured[label]
+        medians[label] = statistics.median(runs)
+        ratio = medians[label] / simulated[label]
+        ok &= ratio <= RATIO_GOAL
+        print(f"{label:<12}{simulated[label]:>11.1f}{min(runs):>10.1f}{medians[label]:>10.1f}{max(runs):>10.1f}"
+              f"{ratio:>8.3f}{statistics.median(lateness[label]):>10.2f}")
+    wrong = order_agrees(simulated, medians)
+    ok &= not wrong
+    print(f"order as simulated: {'yes' if not wrong else 'NO (' + ', '.join(wrong) + ')'}; "
+          f"every ratio <= {RATIO_GOAL}: {'yes' if all(statistics.median(measured[l]) / simulated[l] <= RATIO_GOAL for l in SCHEDULES) else 'NO'}")
+    return ok
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", default="4,8,16,32", help="pipeline sizes, comma-separated (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of every schedule (default %(default)s)")
+    parser.add_argument("--ilp-time-limit", type=float, default=10.0, help="seconds per zb-auto ILP (default %(default)s)")
+    parser.add_argument("--unit-ms", type=float, default=1.0,
+                        help="wall milliseconds per profiled millisecond (default %(default)s: real time)")
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.stages.split(",")]
+    for p in sizes:
+        if p not in ROW_OF_SIZE:
+            parser.error(f"--stages: {p} is not one of {sorted(ROW_OF_SIZE)}")
+    results = {p: run_row(p, args.reps, args.ilp_time_limit, args.unit_ms) for p in sizes}
+    print("\nall rows meet the goal" if all(results.values()) else
+          f"\nrows missing the goal: {', '.join(f'p={p}' for p, ok in results.items() if not ok)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
