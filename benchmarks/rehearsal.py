@@ -10,7 +10,9 @@ rank's time, as 1F1B-I does in plan_quality.py.
 
 Protocol: the schedules run in turn (A B C ... A B C ...), `--reps` times, so slow phases of the machine
 hit all of them alike. Printed per schedule: the simulated makespan, the measured makespan's
-min / median / max over the reps, and ratio = median measured / simulated. A row's verdict: every ratio
+min / median / max over the reps, ratio = median measured / simulated, the median of the latest pass
+start (ms after its planned start), the spread (max - min) / median ("noisy" above 10%) and the
+executor's time per pass in microseconds (median gap between two passes planned back to back). A row's verdict: every ratio
 <= 1.03, and the medians rank the schedules as the simulator does (pairs whose simulated makespans are
 within 1% of each other count as ties).
 """
@@ -44,6 +46,7 @@ SCHEDULES = {
 }
 RATIO_GOAL = 1.03
 TIE = 0.01
+NOISY = 0.10  # (max - min) / median above this marks a figure noisy
 
 
 def build(label: str, p: int, m: int, ilp_time_limit: float):
@@ -78,6 +81,7 @@ def run_row(p: int, reps: int, ilp_time_limit: float, unit_ms: float) -> bool:
         print(f"# p={p}: planned {label} in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     measured = {label: [] for label in SCHEDULES}
     lateness = {label: [] for label in SCHEDULES}
+    overhead = {label: [] for label in SCHEDULES}
     simulated = {}
     options = RehearsalOptions(unit_ms=unit_ms)
     for rep in range(reps):
@@ -86,22 +90,74 @@ def run_row(p: int, reps: int, ilp_time_limit: float, unit_ms: float) -> bool:
             simulated[label] = report["simulated_makespan"]
             measured[label].append(report["measured_makespan"])
             lateness[label].append(report["max_pass_lateness"])
+            overhead[label].append(report["executor_us_per_pass"])
         print(f"# p={p}: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
     print(f"\np={p} m={m} ({model} row costs, ms; {reps} reps, schedules alternated)")
-    print(f"{'schedule':<12}{'simulated':>11}{'min':>10}{'median':>10}{'max':>10}{'ratio':>8}{'late med':>10}")
+    print(f"{'schedule':<12}{'simulated':>11}{'min':>10}{'median':>10}{'max':>10}{'ratio':>8}{'late med':>10}"
+          f"{'spread':>8}{'exec us':>9}")
     medians, ok = {}, True
     for label in SCHEDULES:
         runs = measured[label]
         medians[label] = statistics.median(runs)
         ratio = medians[label] / simulated[label]
         ok &= ratio <= RATIO_GOAL
+        spread = (max(runs) - min(runs)) / medians[label]
         print(f"{label:<12}{simulated[label]:>11.1f}{min(runs):>10.1f}{medians[label]:>10.1f}{max(runs):>10.1f}"
-              f"{ratio:>8.3f}{statistics.median(lateness[label]):>10.2f}")
+              f"{ratio:>8.3f}{statistics.median(lateness[label]):>10.2f}{spread:>8.1%}"
+              f"{statistics.median(overhead[label]):>9.0f}{' noisy' if spread > NOISY else ''}")
     wrong = order_agrees(simulated, medians)
     ok &= not wrong
     print(f"order as simulated: {'yes' if not wrong else 'NO (' + ', '.join(wrong) + ')'}; "
           f"every ratio <= {RATIO_GOAL}: {'yes' if all(statistics.median(measured[l]) / simulated[l] <= RATIO_GOAL for l in SCHEDULES) else 'NO'}")
     return ok
+
+
+# Post-validation against the synchronous optimizer step (--post-validation-table): 1.5B row costs at p=8,
+# m=24, made stage-imbalanced as embedding and loss make them (first stage +10%, last +25%); the step
+# waits for a real all-reduce of every rank plus a modelled ALLREDUCE_MS (two small all-reduces over the
+# pipeline, grad norm and inf check), then OPTIMIZER_MS (Adam over a stage's ~0.2B parameters).
+PV_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+PV_P, PV_M, PV_ITERATIONS = 8, 24, 4
+IMBALANCE = {"first": 1.10, "last": 1.25}
+ALLREDUCE_MS, OPTIMIZER_MS = 0.5, 3.0
+PAPER_PV_GAIN = 0.08
+
+
+def imbalanced_costs(p: int):
+    base = row_costs(*ROW_OF_SIZE[8], stages=p)
+    scale = [IMBALANCE["first"]] + [1.0] * (p - 2) + [IMBALANCE["last"]]
+    return base.__class__.make(p, [t * k for t, k in zip(base.t_f, scale)], [t * k for t, k in zip(base.t_b, scale)],
+                               [t * k for t, k in zip(base.t_w, scale)], base.t_comm, m_f=base.m_f, m_w=base.m_w,
+                               time_unit="ms")
+
+
+def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> None:
+    costs = imbalanced_costs(PV_P)
+    variants = {}
+    for name in PV_SCHEDULES:
+        for pv in (False, True):
+            request = PlanRequest(stages=PV_P, microbatches=PV_M, costs=costs, ilp_time_limit=ilp_time_limit,
+                                  memory_limit=PV_P if name == "zb-auto" else None, post_validation=pv)
+            variants[(name, pv)] = plan(name, request)
+    options = RehearsalOptions(unit_ms=unit_ms, iterations=PV_ITERATIONS, optimizer_step=OPTIMIZER_MS,
+                               allreduce=ALLREDUCE_MS)
+    times = {key: [] for key in variants}
+    for rep in range(reps):
+        for key, schedule in variants.items():
+            times[key].append(rehearse(schedule, costs, options)["measured_time_per_iteration"])
+        print(f"# post-validation: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    print(f"
+Post-validation vs synchronous step: p={PV_P} m={PV_M}, {PV_ITERATIONS} iterations per run, 1.5B row "
+          f"costs x{IMBALANCE['first']} on the first and x{IMBALANCE['last']} on the last stage, all-reduce "
+          f"{ALLREDUCE_MS} ms, optimizer step {OPTIMIZER_MS} ms; ms per iteration, {reps} reps alternated")
+    print(f"{'schedule':<10}{'sync min':>10}{'median':>9}{'max':>9}{'PV min':>9}{'median':>9}{'max':>9}{'gain':>8}")
+    for name in PV_SCHEDULES:
+        sync, pv = times[(name, False)], times[(name, True)]
+        gain = 1 - statistics.median(pv) / statistics.median(sync)
+        spread = max((max(x) - min(x)) / statistics.median(x) for x in (sync, pv))
+        print(f"{name:<10}{min(sync):>10.1f}{statistics.median(sync):>9.1f}{max(sync):>9.1f}{min(pv):>9.1f}"
+              f"{statistics.median(pv):>9.1f}{max(pv):>9.1f}{gain:>8.1%}{' noisy' if spread > NOISY else ''}")
+    print(f"(the paper reports about {PAPER_PV_GAIN:.0%} for post-validation over the synchronous step)")
 
 
 def main(argv=None) -> int:
@@ -111,7 +167,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ilp-time-limit", type=float, default=10.0, help="seconds per zb-auto ILP (default %(default)s)")
     parser.add_argument("--unit-ms", type=float, default=1.0,
                         help="wall milliseconds per profiled millisecond (default %(default)s: real time)")
+    parser.add_argument("--post-validation-table", action="store_true",
+                        help="only the table of post-validation against the synchronous optimizer step")
     args = parser.parse_args(argv)
+    if args.post_validation_table:
+        post_validation_table(args.reps, args.ilp_time_limit, args.unit_ms)
+        return 0
     sizes = [int(x) for x in args.stages.split(",")]
     for p in sizes:
         if p not in ROW_OF_SIZE:

@@ -1,10 +1,13 @@
 """Runtime benchmark on CPU: megatron's 1F1B vs the zero-bubble schedules through our executor (PP=2, gloo).
 
-Prints, in one run: the median iteration time of each schedule and its ratio to megatron's 1F1B, next
-to the simulator's prediction from the pass times profiled in the same run; T_B + T_W of the split
-backward against the fused backward T_BW; and whole training iterations (forward-backward + Adam step,
-no barrier between iterations) with megatron's synchronous step against optimizer post-validation.
-    python benchmarks/runtime_cpu.py [--iterations 6] [--hidden 512] [--microbatches 8]
+    python benchmarks/runtime_cpu.py [--reps 5] [--iterations 3] [--hidden 512] [--microbatches 8]
+
+Protocol: the variants run in turn (megatron 1f1b, our 1f1b, zb-h1, ... then again), `--reps` rounds after
+a warm-up round; printed per variant: min / median / max over the rounds, the spread (max - min) / median
+("noisy" above 10%), and ratios of this run's medians. Also: the simulator's prediction from the pass
+times profiled in the same run, T_B + T_W of the split backward against the fused T_BW per pass, and
+whole training iterations (forward-backward + Adam step, back to back) with megatron's synchronous step
+against optimizer post-validation, alternated the same way.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.megatron import harness  # noqa: E402  (spawn and the deterministic tiny GPT)
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")  # through our executor
+MEGATRON = "megatron 1f1b"
+NOISY = 0.10  # (max - min) / median above this marks a figure noisy
 POST_VALIDATION_SCHEDULES = ("zb-h1", "zb-h2")
 
 
@@ -71,8 +76,9 @@ def _time_training(chunks, optimizer, spec, m, iterations, flush=None) -> float:
     return (time.perf_counter() - start) / iterations
 
 
-def training_scenario(spec, m: int, iterations: int) -> dict:
-    """Per schedule: seconds per iteration with megatron's synchronous step and with post-validation."""
+def training_scenario(spec, m: int, iterations: int, reps: int) -> dict:
+    """Per schedule: seconds per iteration with megatron's synchronous step and with post-validation, each a
+    list over `reps` rounds in which the variants alternate (each round: `iterations` back to back)."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
     from megatron.zero_bubble.patches import linear_wgrad, optimizer_step, schedule_selection
@@ -85,20 +91,24 @@ def training_scenario(spec, m: int, iterations: int) -> dict:
     linear_wgrad.install()
     executor = PipelineExecutor(lambda _: None)
     schedule_selection.install(executor)
-    seconds = {}
-    for name in POST_VALIDATION_SCHEDULES:
-        for post_validation in (False, True):
-            optimizer = harness.make_optimizer(chunks, config)
-            schedule = _plan(name, 2, m, post_validation)
+    variants = [(name, pv) for name in POST_VALIDATION_SCHEDULES for pv in (False, True)]
+    optimizers = {key: harness.make_optimizer(chunks, config) for key in variants}
+    controllers = {key: PostValidation(optimizers[key], pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                                       stage_group=parallel_state.get_tensor_model_parallel_group())
+                   for key in variants if key[1]}
+    seconds = {key: [] for key in variants}
+    for rep in range(reps + 1):  # the first round warms up
+        for key in variants:
+            schedule = _plan(key[0], 2, m, key[1])
             executor.plan_for, flush = (lambda _: schedule), None
-            if post_validation:
-                controller = PostValidation(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(),
-                                            stage_group=parallel_state.get_tensor_model_parallel_group())
-                optimizer_step.install(controller, chunks)
-                executor.post_validation, flush = controller, controller.flush
-            seconds[(name, post_validation)] = _time_training(chunks, optimizer, spec, m, iterations, flush)
+            if key[1]:
+                optimizer_step.install(controllers[key], chunks)
+                executor.post_validation, flush = controllers[key], controllers[key].flush
+            per_iteration = _time_training(chunks, optimizers[key], spec, m, iterations, flush)
             optimizer_step.uninstall()
             executor.post_validation = None
+            if rep:
+                seconds[key].append(per_iteration)
     schedule_selection.uninstall()
     executor.release()
     linear_wgrad.uninstall()
@@ -116,7 +126,21 @@ def _comm_time(shape) -> float:
     return figures[0] if figures else 0.0
 
 
-def scenario(spec, m: int, iterations: int) -> dict:
+def _time_one(chunks, spec, m, index) -> float:
+    import torch
+
+    for p in (p for c in chunks for p in c.parameters()):
+        p.grad = None
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    harness.run_forward_backward(chunks, spec, m, index * m)
+    torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def scenario(spec, m: int, reps: int) -> dict:
+    """Forward-backward seconds of megatron's 1F1B and of each schedule through our executor, one iteration
+    each in turn, `reps` rounds after a warm-up round; then a profiling run per schedule for its pass times."""
     from megatron.core import parallel_state
     from megatron.zero_bubble.patches import linear_wgrad, schedule_selection
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
@@ -124,18 +148,29 @@ def scenario(spec, m: int, iterations: int) -> dict:
     harness.init_parallel_state(pp=2)
     chunks = harness.build_gpt_chunks(spec)
     result = {"rank": parallel_state.get_pipeline_model_parallel_rank(), "times": {}, "passes": {}}
-    result["times"]["megatron 1f1b"] = _time_iterations(chunks, spec, m, iterations)
-    linear_wgrad.install()
+    linear_wgrad.install()  # megatron's own path while no store is active: both sides pay its wrapper
     executor = PipelineExecutor(lambda _: None)
+    plans = {name: _plan(name, 2, m) for name in SCHEDULES}
+    variants = (MEGATRON, *SCHEDULES)
+    result["times"] = {name: [] for name in variants}
+    for rep in range(reps + 1):  # the first round warms up
+        for name in variants:
+            if name == MEGATRON:
+                schedule_selection.uninstall()
+            else:
+                schedule_selection.install(executor)
+                executor.plan_for = lambda _, schedule=plans[name]: schedule
+            seconds = _time_one(chunks, spec, m, rep)
+            if rep:
+                result["times"][name].append(seconds)
     schedule_selection.install(executor)
     for name in SCHEDULES:
         passes = defaultdict(list)
-        schedule = _plan(name, 2, m)
-        executor.plan_for, executor.pass_timer = (lambda _: schedule), None
-        result["times"][name] = _time_iterations(chunks, spec, m, iterations)
+        executor.plan_for = lambda _, schedule=plans[name]: schedule
         executor.pass_timer = lambda op, chunk, mb, s: passes[op].append(s)  # profiling run, synchronised
         _time_iterations(chunks, spec, m, 1)
         result["passes"][name] = {op: statistics.median(v) for op, v in passes.items()}
+    executor.pass_timer = None
     schedule_selection.uninstall()
     executor.release()
     linear_wgrad.uninstall()
@@ -143,9 +178,17 @@ def scenario(spec, m: int, iterations: int) -> dict:
     return result
 
 
+def _figures(values: list[float]) -> str:
+    spread = (max(values) - min(values)) / statistics.median(values)
+    return (f"{min(values):>9.4f}{statistics.median(values):>9.4f}{max(values):>9.4f}"
+            f"{spread:>8.1%}{' noisy' if spread > NOISY else '':<6}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--reps", type=int, default=5, help="rounds of alternated variants (default %(default)s)")
+    parser.add_argument("--iterations", type=int, default=3,
+                        help="back-to-back training iterations per round and variant (default %(default)s)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -155,43 +198,48 @@ def main(argv=None) -> None:
     spec = harness.ModelSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=8,
                              seq_length=args.seq_length, vocab_size=1024, micro_batch_size=2)
     m = args.microbatches
-    print(f"PP=2 on CPU (gloo, 1 thread per rank): {spec}, m={m}, {args.iterations} timed iterations each")
-    ranks = sorted(harness.spawn(scenario, 2, spec, m, args.iterations, timeout=1800), key=lambda r: r["rank"])
+    print(f"PP=2 on CPU (gloo, 1 thread per rank): {spec}, m={m}; {args.reps} rounds, variants alternated")
+    ranks = sorted(harness.spawn(scenario, 2, spec, m, args.reps, timeout=1800), key=lambda r: r["rank"])
 
     from megatron.zero_bubble.schedules import Costs, simulate
 
     def costs_from(name):
         per_rank = [r["passes"][name] for r in ranks]
         return Costs.make(2, t_f=[p["F"] for p in per_rank], t_b=[p["B"] for p in per_rank],
-                          t_w=[p["W"] for p in per_rank], t_comm=ranks[0]["t_comm"])
+                          t_w=[p["W"] for p in per_rank], t_comm=ranks[0]["t_comm"], time_unit="s")
 
     zb_costs = costs_from("zb-h1")
-    reference = statistics.median(ranks[0]["times"]["megatron 1f1b"])
+    times = ranks[0]["times"]
+    reference = statistics.median(times[MEGATRON])
     predicted_1f1b = simulate(_plan("1f1b", 2, m), zb_costs).makespan
-    print(f"\nprofiled (zb-h1 run, median s): " + ", ".join(
+    print("\nprofiled (zb-h1 run, median s): " + ", ".join(
         f"rank {r['rank']}: T_F {r['passes']['zb-h1']['F']:.4f} T_B {r['passes']['zb-h1']['B']:.4f} "
         f"T_W {r['passes']['zb-h1']['W']:.4f}" for r in ranks) + f", T_comm {ranks[0]['t_comm']:.5f}")
-    print(f"\n{'schedule':<16}{'median s':>10}{'vs megatron':>13}{'predicted':>11}")
-    print(f"{'megatron 1f1b':<16}{reference:>10.4f}{1.0:>13.3f}{1.0:>11.3f}")
+    print(f"\nforward-backward, s per iteration\n{'schedule':<16}{'min':>9}{'median':>9}{'max':>9}{'spread':>8}"
+          f"{'':<6}{'vs megatron':>12}{'simulated':>11}")
+    print(f"{MEGATRON:<16}{_figures(times[MEGATRON])}{1.0:>12.3f}{1.0:>11.3f}")
     for name in SCHEDULES:
-        measured = statistics.median(ranks[0]["times"][name])
+        measured = statistics.median(times[name])
         predicted = simulate(_plan(name, 2, m), zb_costs).makespan / predicted_1f1b
-        print(f"{name:<16}{measured:>10.4f}{measured / reference:>13.3f}{predicted:>11.3f}")
-    print("\nsplit backward vs fused (median per pass, s):")
+        print(f"{name:<16}{_figures(times[name])}{measured / reference:>12.3f}{predicted:>11.3f}")
+    print(f"(goal: our 1f1b / megatron 1f1b <= 1.01; the ratios are of medians from this run)")
+    print("\nsplit backward vs fused in the pipeline (median per pass, s; benchmarks/split_backward.py isolates it):")
     for r in ranks:
         fused = r["passes"]["1f1b"]["BW"]
         split = r["passes"]["zb-h1"]["B"] + r["passes"]["zb-h1"]["W"]
-        print(f"  rank {r['rank']}: T_B + T_W = {split:.4f}  T_BW = {fused:.4f}  overhead {100 * (split / fused - 1):+.1f}%"
-              f"  (goal <= +5%)")
+        print(f"  rank {r['rank']}: T_B + T_W = {split:.4f}  T_BW = {fused:.4f}  ratio {split / fused:.3f}")
     if args.skip_training:
         return
-    loop = harness.spawn(training_scenario, 2, spec, m, args.iterations, timeout=1800)
+    loop = harness.spawn(training_scenario, 2, spec, m, args.iterations, args.reps, timeout=1800)
     seconds = loop[0]["seconds"]
-    print(f"\ntraining iterations (forward-backward + Adam step, back to back, s per iteration):")
-    print(f"{'schedule':<16}{'synchronous':>13}{'post-valid.':>13}{'gain':>8}")
+    print(f"\ntraining iterations (forward-backward + Adam step, {args.iterations} back to back per round), "
+          f"s per iteration")
+    print(f"{'schedule':<10}{'step':<14}{'min':>9}{'median':>9}{'max':>9}{'spread':>8}{'':<6}{'gain':>8}")
     for name in POST_VALIDATION_SCHEDULES:
         sync, post = seconds[(name, False)], seconds[(name, True)]
-        print(f"{name:<16}{sync:>13.4f}{post:>13.4f}{100 * (sync / post - 1):>+7.1f}%")
+        gain = 1 - statistics.median(post) / statistics.median(sync)
+        print(f"{name:<10}{'synchronous':<14}{_figures(sync)}")
+        print(f"{name:<10}{'post-valid.':<14}{_figures(post)}{gain:>8.1%}")
 
 
 if __name__ == "__main__":

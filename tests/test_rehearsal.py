@@ -10,6 +10,7 @@ import pytest
 from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse
 from megatron.zero_bubble.schedules.costs import Costs
 from megatron.zero_bubble.schedules.handcrafted import zb_h1
+from megatron.zero_bubble.schedules.post_validation import with_post_validation
 from megatron.zero_bubble.schedules.simulate import simulate
 
 KEYS = {"schedule", "stages", "microbatches", "simulated_makespan", "measured_makespan", "ratio",
@@ -38,6 +39,19 @@ def test_a_transport_that_posts_receives_late_shows_as_lateness():
     # rank 1 posts each of its receives 30 ms late, and its passes wait behind those posts
     assert slow["per_rank"][1]["max_lateness"] >= delay_ms
     assert slow["max_pass_lateness"] >= delay_ms and slow["ratio"] > 1.1
+
+
+def test_several_iterations_with_the_synchronous_step_or_post_validation():
+    """The synchronous step waits for every rank, then the all-reduce, then the step: no iteration can take
+    less than the makespan plus both. Post-validation iterations run the plan's V passes in order."""
+    costs = Costs.make(4, t_f=3.0, t_b=3.0, t_w=2.0, t_comm=0.1)
+    options = RehearsalOptions(iterations=3, optimizer_step=4.0, allreduce=3.0)
+    synchronous = rehearse(zb_h1(4, 6), costs, options)
+    assert synchronous["iterations"] == 3
+    assert synchronous["measured_time_per_iteration"] >= synchronous["simulated_makespan"] + 4.0 + 3.0
+    validated = rehearse(with_post_validation(zb_h1(4, 6)), costs, options)
+    assert validated["iterations"] == 3 and [p["op"] for p in validated["per_rank"][0]["passes"]].count("V") == 1
+    assert validated["executor_us_per_pass"] is not None and validated["executor_us_per_pass"] > 0
 
 
 def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr():

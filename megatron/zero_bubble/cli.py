@@ -28,6 +28,13 @@ def _add_rehearse(commands, common, one_schedule_options) -> None:
                           "dump of pretrain_gpt.py has costs in seconds: use 1000)")
     sub.add_argument("--message-kib", type=float, default=None,
                      help="size of each activation/gradient message in KiB (default 64)")
+    sub.add_argument("--iterations", type=int, default=1,
+                     help="iterations in a row, with the optimizer step between them (default 1)")
+    sub.add_argument("--optimizer-step", type=float, default=0.0, metavar="T",
+                     help="time of the optimizer step, in the costs' unit (default 0)")
+    sub.add_argument("--allreduce", type=float, default=0.0, metavar="T",
+                     help="time of the synchronous step's global all-reduce (grad norm, inf check), in the "
+                          "costs' unit; not spent with --post-validation, whose sums travel in V passes (default 0)")
     sub.set_defaults(run=cmd_rehearse)
 
 
@@ -38,9 +45,13 @@ def cmd_rehearse(args) -> None:
         raise planning.UsageError(f"--time-unit-ms must be positive, got {args.time_unit_ms}")
     if args.stages is not None and args.stages > 64:
         raise planning.UsageError(f"rehearse starts one process per stage; --stages {args.stages} is more than 64")
+    if args.iterations < 1 or args.optimizer_step < 0 or args.allreduce < 0:
+        raise planning.UsageError("--iterations must be at least 1, --optimizer-step and --allreduce not negative")
     schedule, costs, _ = planning._schedule_and_timeline(args)
     message_kib = DEFAULT_MESSAGE_KIB if args.message_kib is None else args.message_kib
-    report = rehearse(schedule, costs, RehearsalOptions(unit_ms=args.time_unit_ms, message_kib=message_kib))
+    report = rehearse(schedule, costs, RehearsalOptions(
+        unit_ms=args.time_unit_ms, message_kib=message_kib, iterations=args.iterations,
+        optimizer_step=args.optimizer_step, allreduce=args.allreduce))
     sys.stdout.write(json.dumps(report) + "\n")
     print(summary(report, costs.time_unit), file=sys.stderr)
 
@@ -52,6 +63,8 @@ def summary(report: dict, unit: str) -> str:
         f"(ratio {report['ratio']:.3f}); bubble rate {report['measured_bubble_rate']:.4f} measured vs "
         f"{report['simulated_bubble_rate']:.4f} simulated (paper's measure); latest pass started "
         f"{report['max_pass_lateness']:.3g} {unit} after its planned start"
+        + (f"; {report['iterations']} iterations, {report['measured_time_per_iteration']:.4g} {unit} each"
+           if report["iterations"] > 1 else "")
     )
 
 

@@ -414,23 +414,22 @@ def global_param_names(chunk) -> dict[str, object]:
 
 
 def init_weights_by_global_name(chunks: list, seed: int = 0) -> None:
-    """Fill every parameter from a generator seeded by (seed, global name), sliced for this TP rank."""
+    """training/init_weights.py's fill by global name, with a rule that leaves no parameter at a constant:
+    biases and norm scales random too (near 0 and 1), so a wrong bias or norm gradient cannot hide."""
     from megatron.core import parallel_state
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    with torch.no_grad():
-        for chunk in chunks:
-            for name, param in global_param_names(chunk).items():
-                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-                full_shape = list(param.shape)
-                dim = _partition_dim(param)
-                if dim is not None:
-                    full_shape[dim] *= tp_size
-                full = torch.randn(full_shape, generator=generator, dtype=torch.float32)
-                full = 1.0 + 0.1 * full if name.endswith("norm.weight") else 0.05 * full  # norm scales near 1
-                local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
-                param.copy_(local)
+    from megatron.zero_bubble.training import init_weights
+
+    for chunk in chunks:
+        init_weights.init_weights_by_global_name(
+            chunk, seed, parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(), value=_test_value)
+
+
+def _test_value(name: str, full_shape: list[int], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    full = torch.randn(full_shape, generator=generator, dtype=torch.float32)
+    return 1.0 + 0.1 * full if name.endswith("norm.weight") else 0.05 * full  # norm scales near 1
 
 
 def mock_microbatch(index: int, spec: ModelSpec) -> dict:

@@ -81,3 +81,28 @@ def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped
             executor.check_runtime_support(split, [overlapped])
     finally:
         linear_wgrad.uninstall()
+
+
+def test_a_session_installs_what_it_is_asked_for_and_removes_it_all_even_after_a_failed_install(monkeypatch):
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.layers as layers
+
+    from megatron.zero_bubble.patches import linear_wgrad
+    from megatron.zero_bubble.training.session import ZeroBubbleSession
+
+    before = (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce)
+    executor = PipelineExecutor(lambda m: one_f_one_b(2, m))
+    with ZeroBubbleSession(executor, split_backward=True) as session:
+        assert linear_wgrad.installed() and schedule_selection.installed_executor() is executor
+        assert session.executor is executor
+    assert not linear_wgrad.installed() and schedule_selection.installed_executor() is None
+    assert (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce) == before
+
+    def fail(*options):
+        raise PatchError("schedule_selection: refused for the test")
+
+    monkeypatch.setattr(schedule_selection, "install", fail)
+    with pytest.raises(PatchError, match="refused for the test"):
+        ZeroBubbleSession(executor, split_backward=True).install()
+    assert not linear_wgrad.installed()  # installed before the failure, removed by it
+    assert layers.linear_with_grad_accumulation_and_async_allreduce is before[1]

@@ -68,9 +68,9 @@ def _run_case(case: Case) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.zero_bubble.patches import linear_wgrad, optimizer_step, schedule_selection
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
     from megatron.zero_bubble.runtime.post_validation import PostValidation
+    from megatron.zero_bubble.training.session import ZeroBubbleSession
 
     harness.init_parallel_state(case.layout.tp, case.layout.pp)
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -84,15 +84,14 @@ def _run_case(case: Case) -> dict:
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stage_of_rank = [None] * dist.get_world_size()
     dist.all_gather_object(stage_of_rank, stage)
-    controller = None
+    controller, session = None, ZeroBubbleSession(None)  # the synchronous reference: megatron's own
     if case.post_validation:
         controller = PostValidation.for_optimizer(optimizer, exact=case.exact)
-        optimizer_step.install(controller, chunks)
-        linear_wgrad.install()
-        schedule_selection.install(PipelineExecutor(
-            lambda m: _schedule(case.layout.pp, m, True), post_validation=controller))
+        session = ZeroBubbleSession(PipelineExecutor(lambda m: _schedule(case.layout.pp, m, True)), split_backward=True)
     losses, step_collectives, outcomes = {}, [], []
-    try:
+    with session:
+        if controller is not None:
+            session.attach_post_validation(controller, chunks)
         m = case.microbatches
         for it in range(case.iterations):
             for chunk in chunks:
@@ -123,10 +122,6 @@ def _run_case(case: Case) -> dict:
                 "params": harness.full_params(chunks), "collectives": step_collectives,
                 "stage_of_rank": stage_of_rank, "outcomes": outcomes,
                 "rollbacks": controller.rollbacks if controller is not None else 0}
-    finally:
-        schedule_selection.uninstall()
-        optimizer_step.uninstall()
-        linear_wgrad.uninstall()
 
 
 PP4, PP2, TP2 = Layout(pp=4), Layout(pp=2), Layout(tp=2, pp=2)

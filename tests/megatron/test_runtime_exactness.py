@@ -43,19 +43,16 @@ class Case:
 
 def _run_case(case: Case) -> dict:
     from megatron.core import parallel_state
-    from megatron.zero_bubble.patches import linear_wgrad, schedule_selection, vshape_layout
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
+    from megatron.zero_bubble.training.session import ZeroBubbleSession
 
     executor = None
-    if case.schedule in V_SCHEDULES:  # the V placement must be in place before the groups are made
-        harness.destroy_parallel_state()
-        vshape_layout.install(case.layout.pp)
-    if case.schedule is not None or case.patch_only:
-        linear_wgrad.install()
     if case.schedule is not None:
         executor = PipelineExecutor(lambda mbs: _cached_schedule(case.schedule, case.layout.pp, mbs))
-        schedule_selection.install(executor)
-    try:
+    v_stages = case.layout.pp if case.schedule in V_SCHEDULES else None
+    if v_stages is not None:  # the V placement must be in place before the groups are made
+        harness.destroy_parallel_state()
+    with ZeroBubbleSession(executor, split_backward=case.schedule is not None or case.patch_only, v_stages=v_stages):
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
         if case.ddp:
@@ -79,10 +76,6 @@ def _run_case(case: Case) -> dict:
             "params": harness.full_params(chunks),
             "stats": executor.last_stats if executor is not None else None,
         }
-    finally:
-        schedule_selection.uninstall()
-        linear_wgrad.uninstall()
-        vshape_layout.uninstall()
 
 
 SPEC8 = ModelSpec(num_layers=8)

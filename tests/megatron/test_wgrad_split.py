@@ -2,12 +2,11 @@
 
 The reference is megatron's own backward (patch uninstalled). With the store active, B then W per
 microbatch must give bit-identical grad_input, weight and bias gradients (torch.equal), accumulated over
-several microbatches. Run the micro benchmark with `python tests/megatron/test_wgrad_split.py --bench`.
+several microbatches. The micro benchmark is
+benchmarks/split_backward.py.
 """
 from __future__ import annotations
 
-import sys
-import time
 import types
 
 import pytest
@@ -466,57 +465,10 @@ def test_tiny_gpt_split_gradients_are_bit_identical_to_megatron(spawned, label):
         assert case["peak_pending_bytes"] > 0  # W really was held back until its W pass
 
 
-# ---- micro benchmark: T_B + T_W (split) against megatron's fused backward ------------------------------
-def benchmark_split_overhead(hidden=1024, ffn=4096, tokens=2048, repeats=7, group=None):
-    """Median seconds of megatron's backward (T_BW) vs B and W of one ColumnParallelLinear, and the median
-    per-round ratio (T_B + T_W) / T_BW; returns a dict with those four numbers."""
-    config = ModelParallelConfig(use_cpu_initialization=True, perform_initialization=False)
-    layer = layers.ColumnParallelLinear(hidden, ffn, config=config, init_method=torch.nn.init.zeros_,
-                                        bias=True, tp_group=group)
-    with torch.no_grad():
-        layer.weight.normal_()
-        layer.bias.zero_()
-    x = torch.randn(tokens // 2, 2, hidden)
-    grad_y = torch.randn(tokens // 2, 2, ffn)
-    linear_wgrad.install()
-    store = WeightGradStore("bench")
-    store.attach(layer)
-    fused, split_b, split_w = [], [], []
-    for _ in range(repeats + 1):  # the first round warms up
-        xi = x.clone().requires_grad_(True)
-        y, _ = layer(xi)
-        start = time.perf_counter()
-        y.backward(grad_y)
-        fused.append(time.perf_counter() - start)
-        xi = x.clone().requires_grad_(True)
-        y, _ = layer(xi)
-        start = time.perf_counter()
-        with store.split_backward():
-            y.backward(grad_y)
-        store.close_microbatch(0)
-        split_b.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        store.run_next(0)
-        split_w.append(time.perf_counter() - start)
-        layer.weight.grad = layer.bias.grad = None
-    store.detach()
-    linear_wgrad.uninstall()
-    med = lambda v: sorted(v[1:])[len(v[1:]) // 2]  # noqa: E731
-    # Each round times both back to back, so the per-round ratio is less exposed to load from elsewhere.
-    ratios = [(b + w) / f for f, b, w in zip(fused, split_b, split_w)]
-    return {"T_BW": med(fused), "T_B": med(split_b), "T_W": med(split_w), "ratio": med(ratios)}
+def test_split_backward_benchmark_runs_at_tiny_size(tp_group):
+    """benchmarks/split_backward.py's measurement, both layers, at a size that takes milliseconds."""
+    from benchmarks.split_backward import measure
 
-
-def test_benchmark_function_runs_at_tiny_size(tp_group):
-    result = benchmark_split_overhead(hidden=16, ffn=32, tokens=8, repeats=1, group=tp_group)
-    assert result["T_B"] > 0 and result["T_W"] > 0 and result["ratio"] > 0
-
-
-if __name__ == "__main__" and "--bench" in sys.argv:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    group = dist.new_group([0], backend="gloo")
-    print(f"ColumnParallelLinear 1024 -> 4096, 2048 tokens, fp32, {torch.get_num_threads()} threads, median of 11")
-    for _ in range(3):
-        r = benchmark_split_overhead(repeats=11, group=group)
-        print(f"T_BW {r['T_BW']*1e3:.1f} ms | T_B {r['T_B']*1e3:.1f} ms + T_W {r['T_W']*1e3:.1f} ms "
-              f"| (T_B+T_W)/T_BW = {r['ratio']:.3f}")
+    for kind in ("column", "row"):
+        result = measure(kind, hidden=16, micro_batch=1, dtype=torch.float32, reps=2, group=tp_group, seq=8)
+        assert all(len(result[key]) == 2 and min(result[key]) > 0 for key in ("fused", "b", "w"))

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..patches import megatron_private
 from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
 from ..schedules.costs import Costs
 from ..schedules.post_validation import check_rollback, rollback_programs
@@ -187,7 +188,7 @@ class PipelineExecutor:
         if adjust_tensor_shapes_fn is not None or config.variable_seq_lengths:
             raise ValueError("the zero-bubble runtime needs fixed pipeline tensor shapes (no variable_seq_lengths)")
         if pg_collection is None:
-            pg_collection = mcore._build_default_pg_collection()
+            pg_collection = megatron_private.default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         schedule = self.plan_for(num_microbatches)
         self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..patches import megatron_private
 from . import optimizer_rollback
 
 # Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
@@ -243,12 +244,12 @@ class PostValidation:
         for leaf in self.leaves:
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
-            if hasattr(leaf, "_copy_model_grads_to_main_grads"):  # fp16 / bf16 with fp32 main params
-                leaf._copy_model_grads_to_main_grads()
+            if megatron_private.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
+                megatron_private.copy_model_grads_to_main_grads(leaf)
                 if leaf.grad_scaler is not None:
                     leaf.found_inf.fill_(0.0)
                     torch._amp_foreach_non_finite_check_and_unscale_(
-                        leaf._collect_main_grad_data_for_unscaling(), leaf.found_inf, leaf.grad_scaler.inv_scale
+                        megatron_private.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
                     )
                     nonfinite = nonfinite or bool(leaf.found_inf.item() > 0)
             else:
@@ -308,8 +309,7 @@ class PostValidation:
                     record, tied = kept
                     optimizer_rollback.invert(leaf.optimizer, record)
                     _restore_tied_embedding(leaf.optimizer, tied)
-                if hasattr(leaf, "_copy_main_params_to_model_params"):
-                    leaf._copy_main_params_to_model_params()
+                megatron_private.copy_main_params_to_model_params(leaf)
                 if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
                     leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 

@@ -13,9 +13,11 @@ schedule's time unit; one unit lasts `unit_ms` milliseconds of wall time.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +43,13 @@ class RehearsalOptions:
     recv_delay_ms: float = 0.0  # a deliberately slow transport: sleep before posting each receive (tests)
     delayed_rank: int | None = None  # the rank whose transport is slowed (None: every rank)
     timeout_s: float = 300.0
+    # Several iterations and the optimizer step between them, in the schedule's time unit. Without V passes
+    # the step is megatron's synchronous one: a real all-reduce over all ranks (everyone waits for the
+    # slowest), a modelled all-reduce time, then the step. With V passes (post-validation) each rank steps
+    # on its own right after its last pass; the sums travel in the next iteration's V passes.
+    iterations: int = 1
+    optimizer_step: float = 0.0
+    allreduce: float = 0.0
 
 
 class _DelayedTransport(PipelineTransport):
@@ -122,6 +131,11 @@ def _sleep_until(deadline: float) -> None:
         pass
 
 
+def _wait(seconds: float) -> None:
+    if seconds > 0:
+        _sleep_until(time.monotonic() + seconds)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -155,7 +169,19 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
             payload=torch.zeros(numel, dtype=torch.float32),
         )
         _sleep_until(iteration.t0)
-        iteration.run(program)
+        synchronous = not schedule.has_post_validation()
+        flag = torch.zeros(1)
+        for step in range(options.iterations):
+            if step:  # a fresh iteration state, the same transport, clock and record
+                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, started_chunks=set())
+            iteration.run(program)
+            if options.iterations > 1:
+                if synchronous:
+                    dist.all_reduce(flag, group=group)  # the grad-norm / inf check every rank waits for
+                    _wait(options.allreduce * iteration.unit_s)
+                _wait(options.optimizer_step * iteration.unit_s)
+                now = (time.monotonic() - iteration.t0) / iteration.unit_s
+                iteration.record.append(("step", step, 0, now, now))
         torch.save(iteration.record, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -182,12 +208,20 @@ def rehearse(schedule: Schedule, costs: Costs, options: RehearsalOptions | None 
                 if process.is_alive():
                     process.kill()
         records = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
-    return _report(schedule, timeline, records)
+    return _report(schedule, timeline, records, options.unit_ms)
 
 
-def _report(schedule: Schedule, timeline, records: list[list[tuple]]) -> dict:
-    per_rank, lateness, spans, busy = [], 0.0, [], []
+def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: float = 1.0) -> dict:
+    """Planned against measured for the first iteration; with several, also the time they took in all."""
+    total = max((r[-1][4] for r in records if r), default=0.0)
+    steps = sum(1 for r in records[0] if r[0] == "step")
+    records = [r[:r.index(next(a for a in r if a[0] == "step"))] if any(a[0] == "step" for a in r) else r
+               for r in records]
+    per_rank, lateness, spans, busy, gaps = [], 0.0, [], [], []
     measured_end = 0.0
+
+    def late_enough(done, after) -> bool:  # the next pass was not waiting on its plan: it was due already
+        return done[4] >= after.start
     for rank, (planned, actual) in enumerate(zip(timeline.ranks, records)):
         passes = []
         for timed, (op, mb, chunk, start, end) in zip(planned, actual):
@@ -201,6 +235,11 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]]) -> dict:
         span = (work[-1][4] - work[0][3]) if work else 0.0
         spans.append(span)
         busy.append(sum(a[4] - a[3] for a in work))
+        # The executor's own time per pass: between two passes planned back to back on this rank, whose
+        # messages (if any) were due before, everything between one's end and the next one's start.
+        for (before, after), (done, started) in zip(zip(planned, planned[1:]), zip(actual, actual[1:])):
+            if after.start - before.end < 1e-9 and started[0] != "V" and done[0] != "V" and late_enough(done, after):
+                gaps.append((started[3] - done[4]) * unit_ms * 1e3)
         measured_end = max(measured_end, max((a[4] for a in actual), default=0.0))
         per_rank.append({"rank": rank, "measured_span": span, "simulated_span": timeline.span(rank),
                          "max_lateness": max((p["lateness"] for p in passes), default=0.0), "passes": passes})
@@ -216,5 +255,8 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]]) -> dict:
         "simulated_bubble_rate": timeline.bubble_rate,
         "measured_bubble_rate": measured_bubble,
         "max_pass_lateness": lateness,
+        "executor_us_per_pass": statistics.median(gaps) if gaps else None,
+        "iterations": max(1, steps),
+        "measured_time_per_iteration": total / steps if steps else measured_end,
         "per_rank": per_rank,
     }

@@ -133,9 +133,9 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        help="Write the schedule in use as JSON and PNG into DIR (rank 0), again after "
                        "re-planning.")
     group.add_argument("--allow-padding-num-layers", action="store_true",
-                       help="Accepted for compatibility, but layer padding is not implemented: ZB-V with "
-                       "--num-layers not divisible by 2 x --pipeline-model-parallel-size is refused with a "
-                       "message naming the nearest valid layer counts.")
+                       help="Known from the paper's implementation, refused here: layer padding is not "
+                       "implemented; give ZB-V a --num-layers that is a multiple of 2 x "
+                       "--pipeline-model-parallel-size.")
     group.add_argument("--enable-optimizer-post-validation", action="store_true",
                        help="No cross-stage synchronisation before the optimizer step: each stage steps "
                        "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "
@@ -165,12 +165,11 @@ def _refuse_argparse_error(message: str):
 def _repair_help_texts(parser: argparse.ArgumentParser) -> None:
     """Escape stray '%' in help texts argparse cannot format (megatron-core 0.19.2 has one, in
     --moe-paged-stash-buffer-size-factor-cuda), so that `--help` prints instead of raising ValueError."""
-    formatter = parser._get_formatter()
     for action in parser._actions:
-        if not action.help:
+        if not isinstance(action.help, str) or action.help == argparse.SUPPRESS:
             continue
-        try:
-            formatter._expand_help(action)
+        try:  # what argparse does to a help text: %-format it with the action's attributes and the prog
+            action.help % {**vars(action), "prog": parser.prog}
         except (ValueError, TypeError, KeyError):
             action.help = action.help.replace("%", "%%")
 
@@ -186,6 +185,9 @@ def _cuda_available() -> bool:
 
 def chosen_schedule(args) -> tuple[str | None, str | None]:
     """(schedule, the flag that asked for it), or (None, None) for megatron's own; refuses conflicting flags."""
+    if getattr(args, "allow_padding_num_layers", False):
+        raise StartupRefusal("--allow-padding-num-layers: layer padding is not implemented; give --num-layers a "
+                             "multiple of 2 x --pipeline-model-parallel-size and drop --allow-padding-num-layers")
     asked = []
     if args.pipeline_schedule is not None:
         asked.append(("--pipeline-schedule " + args.pipeline_schedule, args.pipeline_schedule))
@@ -371,12 +373,9 @@ def _check_v_layout(args, vpp, flag: str) -> None:
     if layers is None or layers % (2 * p):
         below, above = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
         choices = f"{below} or {above}" if below else f"{above}"
-        padding = ""
-        if args.allow_padding_num_layers:
-            padding = " (--allow-padding-num-layers does not pad: padding is not implemented)"
         raise StartupRefusal(
             f"{flag} cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
-            f"is not a multiple of {2 * p}; use --num-layers {choices}{padding}"
+            f"is not a multiple of {2 * p}; use --num-layers {choices}"
         )
 
 

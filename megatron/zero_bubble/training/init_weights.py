@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Callable
 
 import torch
 
@@ -49,14 +50,18 @@ def initial_value(name: str, full_shape: list[int], seed: int, std: float = INIT
     return std * torch.randn(full_shape, generator=generator, dtype=torch.float32)
 
 
-def init_weights_by_global_name(chunk, seed: int, tp_rank: int, tp_size: int, std: float = INIT_STD) -> None:
-    """Overwrite every parameter of `chunk` with `initial_value` of its global name, sliced for TP."""
+def init_weights_by_global_name(chunk, seed: int, tp_rank: int, tp_size: int, std: float = INIT_STD,
+                                value: Callable[[str, list[int], int], torch.Tensor] | None = None) -> None:
+    """Overwrite every parameter of `chunk` with the full tensor of its global name, sliced for TP.
+
+    `value(name, full_shape, seed)` gives that tensor (default: `initial_value`, megatron's rule)."""
+    value = value or (lambda name, shape, seed_: initial_value(name, shape, seed_, std))
     with torch.no_grad():
         for name, param in global_parameter_names(chunk).items():
             dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
             full_shape = list(param.shape)
             if dim is not None:
                 full_shape[dim] *= tp_size
-            full = initial_value(name, full_shape, seed, std)
+            full = value(name, full_shape, seed)
             local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
             param.copy_(local.to(param.dtype))

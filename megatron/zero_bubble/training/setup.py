@@ -17,6 +17,7 @@ from functools import partial
 from ..schedules.planners import layout_of, natural_chunks
 from . import arguments
 from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
+from .session import ZeroBubbleSession
 
 
 def prepare_process() -> None:
@@ -66,9 +67,8 @@ def _current_iteration() -> int:
     return get_args().curr_iteration
 
 
-def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
+def _attach_post_validation(session, exact: bool, model, optimizer, scheduler):
     """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
-    from ..patches import optimizer_step
     from ..runtime import optimizer_rollback
     from ..runtime.post_validation import PostValidation
 
@@ -81,39 +81,29 @@ def _attach_post_validation(pipeline, exact: bool, model, optimizer, scheduler):
         if reason is not None:
             arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
     controller = PostValidation.for_optimizer(optimizer, exact=exact, scheduler=scheduler)
-    optimizer_step.install(controller, model)
-    pipeline.executor.post_validation = controller
+    session.attach_post_validation(controller, model)
     _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
     return controller
 
 
 @contextlib.contextmanager
 def zero_bubble_session(args, options: ZeroBubbleOptions | None):
-    """Install what `options` needs for the duration of the block (nothing for megatron's own schedules)."""
+    """The ZeroBubbleSession `options` ask for, installed for the duration of the block; yields its
+    pipeline (None, and nothing installed, for megatron's own schedules)."""
     if options is None or not options.through_runtime:
         yield None
         return
-    from ..patches import linear_wgrad, optimizer_step, post_validation_training, schedule_selection, vshape_layout
+    from ..patches import linear_wgrad
     from ..runtime.replan import ReplanningPipeline
 
     pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0,
                                   split_backward_ready=linear_wgrad.installed)
-    if options.schedule in SPLIT_BACKWARD_SCHEDULES and args.transformer_impl == "transformer_engine":
+    split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
+    if split_backward and args.transformer_impl == "transformer_engine":
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
                       "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
-    try:
-        if layout_of(options.schedule) == "v":  # before initialize_model_parallel: the embedding group changes
-            vshape_layout.install(args.pipeline_model_parallel_size)
-        if options.schedule in SPLIT_BACKWARD_SCHEDULES:
-            linear_wgrad.install()
-        schedule_selection.install(pipeline)
+    v_stages = args.pipeline_model_parallel_size if layout_of(options.schedule) == "v" else None
+    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages) as session:
         if options.post_validation:
-            post_validation_training.install(partial(_attach_post_validation, pipeline, options.exact_rollback))
+            session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback))
         yield pipeline
-    finally:
-        post_validation_training.uninstall()
-        optimizer_step.uninstall()
-        pipeline.release()
-        schedule_selection.uninstall()
-        linear_wgrad.uninstall()
-        vshape_layout.uninstall()
