@@ -146,8 +146,7 @@ def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> N
         for key, schedule in variants.items():
             times[key].append(rehearse(schedule, costs, options)["measured_time_per_iteration"])
         print(f"# post-validation: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
-    print(f"
-Post-validation vs synchronous step: p={PV_P} m={PV_M}, {PV_ITERATIONS} iterations per run, 1.5B row "
+    print(f"\nPost-validation vs synchronous step: p={PV_P} m={PV_M}, {PV_ITERATIONS} iterations per run, 1.5B row "
           f"costs x{IMBALANCE['first']} on the first and x{IMBALANCE['last']} on the last stage, all-reduce "
           f"{ALLREDUCE_MS} ms, optimizer step {OPTIMIZER_MS} ms; ms per iteration, {reps} reps alternated")
     print(f"{'schedule':<10}{'sync min':>10}{'median':>9}{'max':>9}{'PV min':>9}{'median':>9}{'max':>9}{'gain':>8}")
