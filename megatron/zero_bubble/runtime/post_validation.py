@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from enum import StrEnum
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,15 @@ from . import optimizer_rollback
 NONFINITE, SPECULATIVE, PENDING = range(-3, 0)
 
 
+class StepState(StrEnum):
+    """What stage r did in its step (strings, so that reports and logs read as before)."""
+
+    STEPPED = "stepped"  # speculatively, on partial sums that showed nothing wrong
+    DEFERRED = "deferred"  # not yet: the partial sums already need a clip, so it waits for the full ones
+    SKIPPED = "skipped"  # inf/NaN in the partial sums
+    EXACT = "exact"  # the last stage: its partial sums are the full ones
+
+
 def summary_size(stats_ranks: int) -> int:
     return stats_ranks + 3
 
@@ -39,7 +49,7 @@ def summary_size(stats_ranks: int) -> int:
 class _Pending:
     """What stage r did in its step, kept until the full sums arrive."""
 
-    state: str  # "stepped" (speculatively), "deferred" (partial needs a clip), "skipped" (inf/NaN), "exact"
+    state: StepState
     hyperparameters: list  # per leaf optimizer: [(lr, weight_decay)] per param group at step time
     undo: list  # per leaf optimizer: a Snapshot (exact) or a StepRecord (in-place inverse), "stepped" only
     scheduler_steps: int | None  # the LR scheduler's num_steps before train_step advanced it
@@ -127,16 +137,17 @@ class PostValidation:
         last = self.stage == self.stages - 1
         norm = self._norm(summary[:NONFINITE])
         clip = self._needs_clip(norm)
-        state = "skipped" if summary[NONFINITE] > 0 else "exact" if last else "deferred" if clip else "stepped"
-        summary[SPECULATIVE] += float(state == "stepped")
+        state = (StepState.SKIPPED if summary[NONFINITE] > 0 else StepState.EXACT if last
+                 else StepState.DEFERRED if clip else StepState.STEPPED)
+        summary[SPECULATIVE] += float(state == StepState.STEPPED)
         pending = _Pending(state, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
         if not last:  # pass the partial sums on before stepping, so the next stage need not wait for it
             self._partial_send = dist.isend(
                 summary, dst=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group
             )
-        if state == "stepped":
+        if state == StepState.STEPPED:
             pending.undo = [self._keep_for_undo(leaf.optimizer) for leaf in self.leaves]
-        if state in ("stepped", "exact"):
+        if state in (StepState.STEPPED, StepState.EXACT):
             if clip:
                 self._clip(norm)
             self._step_leaves()
@@ -144,13 +155,14 @@ class PostValidation:
         if last:
             summary[PENDING] = 1
             self.final = summary
-            self._update_loss_scale(state == "skipped")
-            self.last_outcome = Outcome(norm, state, state == "skipped", clip and state != "skipped", False, False)
-            if (clip or state == "skipped") and summary[SPECULATIVE] > 0:
+            self._update_loss_scale(state == StepState.SKIPPED)
+            skipped = state == StepState.SKIPPED
+            self.last_outcome = Outcome(norm, state, skipped, clip and not skipped, False, False)
+            if (clip or state == StepState.SKIPPED) and summary[SPECULATIVE] > 0:
                 self.rolled_back_steps += 1
-        success = state != "skipped"
+        success = state != StepState.SKIPPED
         reported_norm = norm if last and self.clip_grad > 0 else None
-        return success, (None if state == "skipped" else reported_norm), None
+        return success, (None if state == StepState.SKIPPED else reported_norm), None
 
     # -- the validation (the V pass) -----------------------------------------------------------------
     def own_summary(self) -> torch.Tensor:
@@ -186,16 +198,17 @@ class PostValidation:
         norm = self._norm(summary[:NONFINITE])
         clip = not nonfinite and self._needs_clip(norm)
         rolled_back = False
-        if pending.state == "stepped" and (nonfinite or clip):
+        if pending.state == StepState.STEPPED and (nonfinite or clip):
             self._undo(pending)
             rolled_back = True
             self.rollbacks += 1
-        if pending.state in ("stepped", "deferred") and not nonfinite and (clip or pending.state == "deferred"):
+        waiting = pending.state in (StepState.STEPPED, StepState.DEFERRED)
+        if waiting and not nonfinite and (clip or pending.state == StepState.DEFERRED):
             if clip:
                 self._clip(norm)
             with self._hyperparameters_of(pending):
                 self._step_leaves()
-        if nonfinite and pending.state in ("stepped", "deferred"):
+        if nonfinite and pending.state in (StepState.STEPPED, StepState.DEFERRED):
             self._undo_scheduler_increment(pending)
         if self.stage < self.stages - 1:
             self._update_loss_scale(nonfinite)
