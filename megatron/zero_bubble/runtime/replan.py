@@ -87,6 +87,14 @@ def describe_costs(costs: Costs) -> str:
             f"T_comm {costs.t_comm * to_ms:.3g} ms, M_B {span(costs.m_f, 2**-20)} MiB per stage")
 
 
+@dataclass(frozen=True)
+class PlanDecision:
+    """What rank 0 broadcasts after planning: the schedule (as JSON) or why there is none."""
+
+    schedule_json: str | None = None
+    error: str | None = None
+
+
 class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
@@ -184,19 +192,19 @@ class ReplanningPipeline:
         dist.gather_object(facts, gathered, dst=0)
         payload = [self._plan_on_rank0(m, gathered, previous) if rank == 0 else None]
         dist.broadcast_object_list(payload, src=0)
-        decision = payload[0]
-        if "error" in decision:
+        decision: PlanDecision = payload[0]
+        if decision.error is not None:
             if previous is None:
-                raise ScheduleError(decision["error"])
-            self.log(f"{decision['error']}; keeping the current schedule")
+                raise ScheduleError(decision.error)
+            self.log(f"{decision.error}; keeping the current schedule")
             return previous
-        schedule = Schedule.from_json(decision["schedule"])
+        schedule = Schedule.from_json(decision.schedule_json)
         costs = Costs.from_dict(schedule.info["costs"])
         validate(schedule, costs, schedule.info["memory_limit"])  # the same check on every rank: all agree
         self.costs = costs
         return schedule
 
-    def _plan_on_rank0(self, m: int, gathered: list[dict], previous: Schedule | None) -> dict:
+    def _plan_on_rank0(self, m: int, gathered: list[dict], previous: Schedule | None) -> PlanDecision:
         s = self.settings
         costs, source = self.costs, "estimated from the model shape"
         if costs is None:
@@ -217,11 +225,11 @@ class ReplanningPipeline:
                 schedule = Schedule.from_dict(previous.to_dict())
                 schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}
         except ScheduleError as error:
-            return {"error": f"zero-bubble: could not plan {s.schedule} for m={m} ({error})"}
+            return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})")
         schedule.info.update(costs=costs.to_dict(), memory_limit=limit, costs_from=source)
         if previous is not None:
             schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
-        return {"schedule": schedule.to_json()}
+        return PlanDecision(schedule_json=schedule.to_json())
 
     def _memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
         """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
