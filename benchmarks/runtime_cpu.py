@@ -37,19 +37,8 @@ def _plan(name: str, stages: int, microbatches: int, post_validation: bool = Fal
 
 
 def _time_iterations(chunks, spec, m, iterations):
-    import torch
-
-    times = []
-    for it in range(iterations + 1):  # the first one warms up
-        for p in (p for c in chunks for p in c.parameters()):
-            p.grad = None
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        harness.run_forward_backward(chunks, spec, m, it * m)
-        torch.distributed.barrier()
-        if it:
-            times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each of `iterations` forward-backward calls, after one that warms up."""
+    return [_time_one(chunks, spec, m, it) for it in range(iterations + 1)][1:]
 
 
 def _time_training(chunks, optimizer, spec, m, iterations, flush=None) -> float:
