@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import megatron_private
 from ._patching import MegatronPatch
 
 
@@ -29,6 +30,9 @@ class ScheduleSelection(MegatronPatch):
             return original(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
 
         get_forward_backward_func.zero_bubble_executor = executor
+        runner = getattr(executor, "executor", executor)  # a ReplanningPipeline runs a PipelineExecutor
+        if hasattr(runner, "megatron_internals"):
+            self.patches.replace(runner, "megatron_internals", megatron_private)
         self.patches.replace_everywhere(schedules, "get_forward_backward_func", get_forward_backward_func)
 
 

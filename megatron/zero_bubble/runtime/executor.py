@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from ..patches import megatron_private
 from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
 from ..schedules.costs import Costs
 from ..schedules.post_validation import check_rollback, rollback_programs
@@ -73,6 +72,9 @@ class PipelineExecutor:
         self.pass_timer = pass_timer
         self.post_validation = post_validation
         self.split_backward_ready = split_backward_ready
+        # megatron's private functions (patches/megatron_private.py), handed in by the patch that installs
+        # this executor into megatron, so that the runtime never imports the patch layer
+        self.megatron_internals = None
         self.stores: list[WeightGradStore] = []
         self._attached_to: list[int] = []
         self._lowered: dict[tuple[int, bool], tuple[Schedule, list]] = {}
@@ -87,6 +89,12 @@ class PipelineExecutor:
                 store.attach(chunk)
             self._attached_to = [id(c) for c in chunks]
         return self.stores
+
+    def internals(self):
+        if self.megatron_internals is None:
+            raise RuntimeError("the executor runs inside megatron only once schedule_selection.install(executor) "
+                               "(or a ZeroBubbleSession) put it there")
+        return self.megatron_internals
 
     def release(self) -> None:
         """Detach the weight-gradient stores from the model (e.g. before another executor takes it over)."""
@@ -188,7 +196,7 @@ class PipelineExecutor:
         if adjust_tensor_shapes_fn is not None or config.variable_seq_lengths:
             raise ValueError("the zero-bubble runtime needs fixed pipeline tensor shapes (no variable_seq_lengths)")
         if pg_collection is None:
-            pg_collection = megatron_private.default_pg_collection()
+            pg_collection = self.internals().default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp
         schedule = self.plan_for(num_microbatches)
         self.check_run_matches(schedule, pp_group.size(), len(chunks), num_microbatches)

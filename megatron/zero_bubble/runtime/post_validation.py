@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..patches import megatron_private
 from . import optimizer_rollback
 
 # Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
@@ -91,6 +90,9 @@ class PostValidation:
     rollbacks: int = 0  # speculative steps this stage undid
     rolled_back_steps: int = 0  # on the last stage: steps that some stage undoes (known there at once)
     _partial_send: object = None
+    # megatron's private optimizer methods (patches/megatron_private.py), handed in by the patch that puts
+    # this controller in charge of the step (patches/optimizer_step.py)
+    megatron_internals: object = None
 
     @classmethod
     def for_optimizer(cls, optimizer, **kwargs) -> "PostValidation":
@@ -257,12 +259,12 @@ class PostValidation:
         for leaf in self.leaves:
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
-            if megatron_private.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
-                megatron_private.copy_model_grads_to_main_grads(leaf)
+            if self.megatron_internals.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
+                self.megatron_internals.copy_model_grads_to_main_grads(leaf)
                 if leaf.grad_scaler is not None:
                     leaf.found_inf.fill_(0.0)
                     torch._amp_foreach_non_finite_check_and_unscale_(
-                        megatron_private.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
+                        self.megatron_internals.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
                     )
                     nonfinite = nonfinite or bool(leaf.found_inf.item() > 0)
             else:
@@ -322,7 +324,7 @@ class PostValidation:
                     record, tied = kept
                     optimizer_rollback.invert(leaf.optimizer, record)
                     _restore_tied_embedding(leaf.optimizer, tied)
-                megatron_private.copy_main_params_to_model_params(leaf)
+                self.megatron_internals.copy_main_params_to_model_params(leaf)
                 if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
                     leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 

@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..patches import megatron_private
 from ..schedules.costs import TIME_UNITS, Costs
 from ..schedules.memory import rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
@@ -292,7 +291,7 @@ class ReplanningPipeline:
 
         chunks = call_kwargs["model"] if isinstance(call_kwargs["model"], list) else [call_kwargs["model"]]
         config = get_model_config(chunks[0])
-        pg = call_kwargs.get("pg_collection") or megatron_private.default_pg_collection()
+        pg = call_kwargs.get("pg_collection") or self.executor.internals().default_pg_collection()
         shape = mcore.get_tensor_shapes(
             seq_length=call_kwargs["seq_length"], micro_batch_size=call_kwargs["micro_batch_size"],
             decoder_seq_length=call_kwargs.get("decoder_seq_length"), config=config, tp_group=pg.tp, cp_group=pg.cp,
