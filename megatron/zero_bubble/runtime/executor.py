@@ -18,6 +18,7 @@ import torch
 
 from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
 from ..schedules.costs import Costs
+from ..schedules.ops import Kind, Op
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
 from .p2p import PipelineTransport
@@ -36,7 +37,7 @@ class IterationStats:
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
     """The same schedule with only its F passes (evaluation; no V: a pending step is validated before)."""
-    ranks = [[p for p in passes if p.op == "F"] for passes in schedule.ranks]
+    ranks = [[p for p in passes if p.op == Op.F] for passes in schedule.ranks]
     return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
 
 
@@ -290,7 +291,7 @@ class _Iteration(ValidationPass):
                 tensor, on_done = self.outgoing.pop(item.msg)
                 self.transport.post_send(item.msg, tensor, on_done)
                 self.apply_validation()  # right after the result went on (a no-op for other sends)
-            elif item.op == "V":
+            elif item.op == Op.V:
                 if self.validation_pass(item):
                     self.replay()
                     return
@@ -298,7 +299,7 @@ class _Iteration(ValidationPass):
                 self.apply_validation()  # no pass may run on weights that are not validated yet
                 self.transport.reap_sends()
                 start = self._clock()
-                {"F": self.forward, "B": self.backward, "BW": self.backward, "W": self.weight}[item.op](item)
+                {Op.F: self.forward, Op.B: self.backward, Op.BW: self.backward, Op.W: self.weight}[item.op](item)
                 if self.executor.pass_timer is not None:
                     self.executor.pass_timer(item.op, item.chunk, item.mb, self._clock() - start)
                 self._account()
@@ -334,7 +335,7 @@ class _Iteration(ValidationPass):
 
     def forward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
-        input_tensor = None if vs == 0 else self._incoming(p, "act", vs)
+        input_tensor = None if vs == 0 else self._incoming(p, Kind.ACT, vs)
         output, num_tokens = self.mcore.forward_step(
             self.forward_step_func, self.iterators[p.chunk], self.chunks[p.chunk], self.num_microbatches,
             input_tensor, self.forward_data_store, self.config, cp_group_size=self.cp_size,
@@ -354,19 +355,19 @@ class _Iteration(ValidationPass):
             self.in_flight += 1
             free = lambda: self.mcore.deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
         if vs < self.last_vstage:
-            self._outgoing(p, "act", output, vs + 1, on_done=free)
+            self._outgoing(p, Kind.ACT, output, vs + 1, on_done=free)
         elif free is not None:
             free()
 
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         input_tensor, output = self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass("F", p.mb, p.chunk))
+        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
         if sent is not None:
             self.transport.complete_send(sent)  # the output must be freed before megatron's custom_backward
-        output_grad = None if vs == self.last_vstage else self._incoming(p, "grad", vs)
+        output_grad = None if vs == self.last_vstage else self._incoming(p, Kind.GRAD, vs)
         store = self.stores[p.chunk]
-        if p.op == "B":
+        if p.op == Op.B:
             with store.split_backward():
                 input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
             store.close_microbatch(p.mb)
@@ -374,7 +375,7 @@ class _Iteration(ValidationPass):
             input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
             self.in_flight -= 1
         if vs > 0:
-            self._outgoing(p, "grad", input_grad, vs - 1)
+            self._outgoing(p, Kind.GRAD, input_grad, vs - 1)
 
     def weight(self, p: Pass) -> None:
         self.stores[p.chunk].run_next(p.mb)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.comm import Message
+from ..schedules.ops import Kind
 
 
 class PipelineTransport:
@@ -25,7 +26,7 @@ class PipelineTransport:
         return dist.get_global_rank(self.group, group_rank)
 
     def post_recv(self, msg: Message) -> None:
-        if msg.kind == "valid":
+        if msg.kind == Kind.VALID:
             buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.device)
         else:  # megatron receives activations and gradients into leaf tensors that require grad
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
@@ -40,7 +41,7 @@ class PipelineTransport:
 
     def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None) -> None:
         """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output)."""
-        if msg.kind == "valid":
+        if msg.kind == Kind.VALID:
             self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor, on_done)
             return
         if tuple(tensor.shape) != self.shape:

@@ -28,6 +28,7 @@ import torch.multiprocessing
 
 from ..schedules.comm import consumed, produced
 from ..schedules.costs import Costs
+from ..schedules.ops import Kind, Op
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
 from .executor import PipelineExecutor, _Iteration
@@ -84,23 +85,23 @@ class _EmulatedIteration(_Iteration):
     def forward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         if vs > 0:
-            self._incoming(p, "act", vs)
+            self._incoming(p, Kind.ACT, vs)
         self._compute(p)
         self.saved[(p.mb, p.chunk)] = None
         if vs < self.last_vstage:
-            self._outgoing(p, "act", self.payload, vs + 1)
+            self._outgoing(p, Kind.ACT, self.payload, vs + 1)
 
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass("F", p.mb, p.chunk))
+        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
         if sent is not None:
             self.transport.complete_send(sent)  # as training does: the output is freed before B
         if vs < self.last_vstage:
-            self._incoming(p, "grad", vs)
+            self._incoming(p, Kind.GRAD, vs)
         self._compute(p)
         if vs > 0:
-            self._outgoing(p, "grad", self.payload, vs - 1)
+            self._outgoing(p, Kind.GRAD, self.payload, vs - 1)
 
     def weight(self, p: Pass) -> None:
         self._compute(p)
