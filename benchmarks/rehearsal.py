@@ -12,9 +12,9 @@ Protocol: the schedules run in turn (A B C ... A B C ...), `--reps` times, so sl
 hit all of them alike. Printed per schedule: the simulated makespan, the measured makespan's
 min / median / max over the reps, ratio = median measured / simulated, the median of the latest pass
 start (ms after its planned start), the spread (max - min) / median ("noisy" above 10%) and the
-executor's time per pass in microseconds (median gap between two passes planned back to back). A row's verdict: every ratio
-<= 1.03, and the medians rank the schedules as the simulator does (pairs whose simulated makespans are
-within 1% of each other count as ties).
+executor's time per pass in microseconds (median gap between two passes planned back to back). A row's
+verdict: every ratio <= 1.03, and the medians rank the schedules as the simulator does (pairs whose
+simulated makespans are within 1% of each other count as ties).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ for path in (HERE.parent, HERE):
 from plan_quality import row_costs  # noqa: E402
 
 from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse  # noqa: E402
+from megatron.zero_bubble.schedules.costs import Costs  # noqa: E402
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
 
 ROW_OF_SIZE = {4: ("1.5B", 8, 24), 8: ("6.2B", 8, 32), 16: ("14.6B", 16, 64), 32: ("28.3B", 32, 128)}
@@ -95,25 +96,24 @@ def run_row(p: int, reps: int, ilp_time_limit: float, unit_ms: float) -> bool:
     print(f"\np={p} m={m} ({model} row costs, ms; {reps} reps, schedules alternated)")
     print(f"{'schedule':<12}{'simulated':>11}{'min':>10}{'median':>10}{'max':>10}{'ratio':>8}{'late med':>10}"
           f"{'spread':>8}{'exec us':>9}")
-    medians, ok = {}, True
+    medians, within = {}, True
     for label in SCHEDULES:
         runs = measured[label]
         medians[label] = statistics.median(runs)
         ratio = medians[label] / simulated[label]
-        ok &= ratio <= RATIO_GOAL
+        within &= ratio <= RATIO_GOAL
         spread = (max(runs) - min(runs)) / medians[label]
         print(f"{label:<12}{simulated[label]:>11.1f}{min(runs):>10.1f}{medians[label]:>10.1f}{max(runs):>10.1f}"
               f"{ratio:>8.3f}{statistics.median(lateness[label]):>10.2f}{spread:>8.1%}"
               f"{statistics.median(overhead[label]):>9.0f}{' noisy' if spread > NOISY else ''}")
     wrong = order_agrees(simulated, medians)
-    ok &= not wrong
     print(f"order as simulated: {'yes' if not wrong else 'NO (' + ', '.join(wrong) + ')'}; "
-          f"every ratio <= {RATIO_GOAL}: {'yes' if all(statistics.median(measured[l]) / simulated[l] <= RATIO_GOAL for l in SCHEDULES) else 'NO'}")
-    return ok
+          f"every ratio <= {RATIO_GOAL}: {'yes' if within else 'NO'}")
+    return within and not wrong
 
 
-# Post-validation against the synchronous optimizer step (--post-validation-table): 1.5B row costs at p=8,
-# m=24, made stage-imbalanced as embedding and loss make them (first stage +10%, last +25%); the step
+# Post-validation against the synchronous optimizer step (--post-validation-table): the p=8 row's costs
+# (6.2B, see ROW_OF_SIZE) at m=24, made stage-imbalanced as embedding and loss make them (first stage +10%, last +25%); the step
 # waits for a real all-reduce of every rank plus a modelled ALLREDUCE_MS (two small all-reduces over the
 # pipeline, grad norm and inf check), then OPTIMIZER_MS (Adam over a stage's ~0.2B parameters).
 PV_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
@@ -123,12 +123,11 @@ ALLREDUCE_MS, OPTIMIZER_MS = 0.5, 3.0
 PAPER_PV_GAIN = 0.08
 
 
-def imbalanced_costs(p: int):
-    base = row_costs(*ROW_OF_SIZE[8], stages=p)
+def imbalanced_costs(p: int) -> Costs:
+    base = row_costs(*ROW_OF_SIZE[p], stages=p)
     scale = [IMBALANCE["first"]] + [1.0] * (p - 2) + [IMBALANCE["last"]]
-    return base.__class__.make(p, [t * k for t, k in zip(base.t_f, scale)], [t * k for t, k in zip(base.t_b, scale)],
-                               [t * k for t, k in zip(base.t_w, scale)], base.t_comm, m_f=base.m_f, m_w=base.m_w,
-                               time_unit="ms")
+    scaled = {name: [t * k for t, k in zip(getattr(base, name), scale)] for name in ("t_f", "t_b", "t_w")}
+    return Costs.make(p, **scaled, t_comm=base.t_comm, m_f=base.m_f, m_w=base.m_w, time_unit="ms")
 
 
 def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> None:
@@ -146,8 +145,8 @@ def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> N
         for key, schedule in variants.items():
             times[key].append(rehearse(schedule, costs, options)["measured_time_per_iteration"])
         print(f"# post-validation: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
-    print(f"\nPost-validation vs synchronous step: p={PV_P} m={PV_M}, {PV_ITERATIONS} iterations per run, 1.5B row "
-          f"costs x{IMBALANCE['first']} on the first and x{IMBALANCE['last']} on the last stage, all-reduce "
+    print(f"\nPost-validation vs synchronous step: p={PV_P} m={PV_M}, {PV_ITERATIONS} iterations per run, {ROW_OF_SIZE[PV_P][0]} "
+          f"row costs x{IMBALANCE['first']} on the first and x{IMBALANCE['last']} on the last stage, all-reduce "
           f"{ALLREDUCE_MS} ms, optimizer step {OPTIMIZER_MS} ms; ms per iteration, {reps} reps alternated")
     print(f"{'schedule':<10}{'sync min':>10}{'median':>9}{'max':>9}{'PV min':>9}{'median':>9}{'max':>9}{'gain':>8}")
     for name in PV_SCHEDULES:

@@ -1,9 +1,9 @@
 """The megatron-core private functions and methods the runtime calls, in one place (checked for 0.19.x).
 
-Only `patches/` touches megatron's internals; the runtime goes through these. Each one names what it
-needs, and a megatron-core without it raises PatchError naming the version instead of an AttributeError
-deep inside a training step. This module imports nothing of ours but `_patching`, so the runtime may use
-it without depending on the patch modules (which import the runtime's WeightGradStore).
+Only `patches/` touches megatron's internals. The runtime never imports this module: the patches that put
+an executor or a post-validation controller into megatron (schedule_selection, optimizer_step) hand it over
+as their `megatron_internals`. Each function names what it needs, and a megatron-core without it raises
+PatchError naming the version instead of an AttributeError deep inside a training step.
 """
 from __future__ import annotations
 

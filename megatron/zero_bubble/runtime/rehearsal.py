@@ -114,7 +114,7 @@ class _EmulatedIteration(_Iteration):
         if out is not None:
             self.outgoing[out] = (summary, None)
         now = (time.monotonic() - self.t0) / self.unit_s
-        self.record.append(("V", 0, 0, now, now))
+        self.record.append((Op.V, 0, 0, now, now))
         return False
 
     def apply_validation(self) -> None:
@@ -212,17 +212,19 @@ def rehearse(schedule: Schedule, costs: Costs, options: RehearsalOptions | None 
     return _report(schedule, timeline, records, options.unit_ms)
 
 
+def _first_iteration(record: list[tuple]) -> list[tuple]:
+    """A rank's record up to its first optimizer step (all of it when it ran one iteration)."""
+    steps = [i for i, entry in enumerate(record) if entry[0] == "step"]
+    return record[:steps[0]] if steps else record
+
+
 def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: float = 1.0) -> dict:
     """Planned against measured for the first iteration; with several, also the time they took in all."""
     total = max((r[-1][4] for r in records if r), default=0.0)
     steps = sum(1 for r in records[0] if r[0] == "step")
-    records = [r[:r.index(next(a for a in r if a[0] == "step"))] if any(a[0] == "step" for a in r) else r
-               for r in records]
+    records = [_first_iteration(r) for r in records]
     per_rank, lateness, spans, busy, gaps = [], 0.0, [], [], []
     measured_end = 0.0
-
-    def late_enough(done, after) -> bool:  # the next pass was not waiting on its plan: it was due already
-        return done[4] >= after.start
     for rank, (planned, actual) in enumerate(zip(timeline.ranks, records)):
         passes = []
         for timed, (op, mb, chunk, start, end) in zip(planned, actual):
@@ -232,14 +234,16 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
             lateness = max(lateness, late)
             passes.append({"op": op, "mb": mb, "chunk": chunk, "planned_start": timed.start, "actual_start": start,
                            "actual_end": end, "lateness": late})
-        work = [a for a in actual if a[0] != "V"]
+        work = [a for a in actual if a[0] != Op.V]
         span = (work[-1][4] - work[0][3]) if work else 0.0
         spans.append(span)
         busy.append(sum(a[4] - a[3] for a in work))
-        # The executor's own time per pass: between two passes planned back to back on this rank, whose
-        # messages (if any) were due before, everything between one's end and the next one's start.
+        # The executor's own time per pass: between two passes planned back to back on this rank, the first
+        # ending after the second was due (so the second waited on nothing but the executor), everything
+        # between one's end and the next one's start.
         for (before, after), (done, started) in zip(zip(planned, planned[1:]), zip(actual, actual[1:])):
-            if after.start - before.end < 1e-9 and started[0] != "V" and done[0] != "V" and late_enough(done, after):
+            back_to_back = after.start - before.end < 1e-9 and done[4] >= after.start
+            if back_to_back and Op.V not in (done[0], started[0]):
                 gaps.append((started[3] - done[4]) * unit_ms * 1e3)
         measured_end = max(measured_end, max((a[4] for a in actual), default=0.0))
         per_rank.append({"rank": rank, "measured_span": span, "simulated_span": timeline.span(rank),

@@ -238,8 +238,9 @@ def check_input_files(args) -> None:
         missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
         if missing:
             raise StartupRefusal(
-                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; pass the prefix of a megatron indexed "
-                f"dataset (PREFIX.bin and PREFIX.idx), or drop --data-path for mock data"
+                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; "
+                f"pass the prefix of a megatron indexed dataset (PREFIX.bin and PREFIX.idx), or drop --data-path "
+                f"for mock data"
             )
     for name in ("data_args_path", "per_split_data_args_path", "vocab_file", "merge_file"):
         path = getattr(args, name, None)
@@ -344,8 +345,8 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
 
 
 def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
-    """Refuse flag combinations the chosen schedule cannot run with; the options otherwise."""
-    check_schedule_flags(args, schedule, flag)
+    """Refuse what the chosen schedule cannot run with beyond `check_schedule_flags` (which `check_flags`
+    ran already); the options otherwise."""
     if not _through_runtime(args, schedule):
         return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
                                  timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
@@ -371,12 +372,16 @@ def _check_v_layout(args, vpp, flag: str) -> None:
     if vpp not in (None, 2):
         raise StartupRefusal(f"{flag} places exactly two model chunks per rank; drop the virtual pipeline flags")
     if layers is None or layers % (2 * p):
-        below, above = (layers or 0) // (2 * p) * 2 * p, ((layers or 0) // (2 * p) + 1) * 2 * p
-        choices = f"{below} or {above}" if below else f"{above}"
         raise StartupRefusal(
             f"{flag} cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
-            f"is not a multiple of {2 * p}; use --num-layers {choices}"
+            f"is not a multiple of {2 * p}; use --num-layers {_nearest_multiples(layers or 0, 2 * p)}"
         )
+
+
+def _nearest_multiples(layers: int, step: int) -> str:
+    """The layer counts next to `layers` that split into `step` equal parts: "8 or 12" (or "4" below one step)."""
+    below, above = layers // step * step, (layers // step + 1) * step
+    return f"{below} or {above}" if below else f"{above}"
 
 
 def _check_conflicts(args, schedule: str, flag: str) -> None:
@@ -623,10 +628,8 @@ def _check_layer_split(args, schedule: str | None) -> None:
             what += f" x --num-virtual-stages-per-pipeline-rank {chunks}"
         elif chunks > 1:
             what += f" x {chunks} model chunks per rank ({schedule})"
-        below, above = layers // (pp * chunks) * pp * chunks, (layers // (pp * chunks) + 1) * pp * chunks
-        raise StartupRefusal(
-            f"--num-layers {layers} is not divisible by {what} = {pp * chunks}; use --num-layers "
-            + (f"{below} or {above}" if below else f"{above}"))
+        raise StartupRefusal(f"--num-layers {layers} is not divisible by {what} = {pp * chunks}; use --num-layers "
+                             f"{_nearest_multiples(layers, pp * chunks)}")
 
 
 def parse_and_validate():
