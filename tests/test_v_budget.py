@@ -26,10 +26,11 @@ def paper_costs(p):
 
 
 def check_plans_over(p, microbatch_counts):
-    costs = uneven_costs(p)
     low, half = mem_setup_limit("min", p), mem_setup_limit("half", p)
     budgets = {"v-min": low, "v-half": half, "between": (half + p) / 2, "zb-v": float(p)}
     for m in microbatch_counts:
+        # Alternate the costs so that every planner meets equal, paper-like and uneven stages with T_comm.
+        costs = [Costs.make(2 * p, chunks=2), paper_costs(p), uneven_costs(p)][(p + m) % 3]
         plans = v_plans(p, m, costs, {name: MemoryLimit(b) for name, b in budgets.items()})
         for name, schedule in plans.items():
             timeline = validate(schedule, costs, memory_limit=budgets[name])  # send/receive order included
@@ -42,7 +43,7 @@ def check_plans_over(p, microbatch_counts):
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_plans_for_a_sample_of_the_grid_pass_the_validator_within_their_budgets(p):
-    check_plans_over(p, sorted({1, 2, p - 1, p, p + 1, 2 * p, 3 * p} - {0}))
+    check_plans_over(p, sorted({1, 2, p, p + 1, 3 * p}))
 
 
 @pytest.mark.slow
@@ -79,13 +80,14 @@ def test_mem_setup_names_the_papers_three_budgets():
         mem_setup_limit("tiny", 8)
 
 
-def test_v_half_and_v_min_stay_within_the_papers_peaks_and_order_their_bubbles():
-    p, m, costs = 8, 24, paper_costs(8)
-    rates = {}
-    for name, planner, peak in (("v-min", v_min, 4), ("v-half", v_half, 5), ("zb-v", zb_v, 8)):
-        timeline = validate(planner(p, m, costs), costs, memory_limit=peak)
-        rates[name] = timeline.bubble_rate
-    assert rates["v-min"] >= rates["v-half"] >= rates["zb-v"]
+def test_the_named_planners_are_the_budgeted_planner_at_the_papers_peaks():
+    p, m, costs = 8, 16, paper_costs(8)
+    shared = v_plans(p, m, costs, {"v-min": MemoryLimit(4), "v-half": MemoryLimit(5), "zb-v": MemoryLimit(8)})
+    for name, planner in (("v-min", v_min), ("v-half", v_half), ("zb-v", zb_v)):
+        alone = planner(p, m, costs)
+        assert alone.name == name and alone.ranks == shared[name].ranks
+    rates = [simulate(shared[name], costs).bubble_rate for name in ("v-min", "v-half", "zb-v")]
+    assert rates[0] >= rates[1] >= rates[2]
 
 
 @pytest.mark.parametrize("p", range(2, 13))

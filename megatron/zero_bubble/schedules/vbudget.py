@@ -148,13 +148,11 @@ class _Planner:
         return "full" if self.passes <= _FULL_EFFORT else "medium" if self.passes <= _MEDIUM_EFFORT else "large"
 
     def _blocks(self, level: float, limits: list[float]):
-        """Building blocks for V-Min's or V-Half's memory: the paper's block of that name (and V-Min's at
-        V-Half's memory), and shapes on a grid of the real costs with the shortest periods that fit."""
+        """Building blocks for V-Min's or V-Half's memory: the paper's block of that name, and shapes on a
+        grid of the real costs with the shortest periods that fit."""
         effort = self._effort()
         low, half = v_min_memory_limit(self.p), v_half_memory_limit(self.p)
         kinds = (["min"] if level == low else []) + (["half"] if level == half else [])
-        if level == half and "min" not in kinds and effort != "large":
-            kinds.append("min")  # V-Min's block with V-Half's memory to squeeze into
         for kind in kinds:
             block = build_block(self.p, Grid.unit(2 * self.p), paper_shape(self.p, kind))
             if block is not None:
