@@ -23,7 +23,7 @@ import bisect
 import heapq
 
 from .costs import Costs
-from .ops import Op, facts
+from .ops import OPS, Op, facts
 from .schedule import Pass, Schedule
 from .simulate import Timeline, simulate
 
@@ -142,20 +142,33 @@ class _Backward(_Lane):
 
 class _Facts:
     """ops.TABLE's rows per (op, virtual stage), worked out once: what a pass needs (with the T_comm of each
-    input), what it completes, its duration and its memory change."""
+    input), what it completes, its duration and its memory change; and which passes need it."""
 
     def __init__(self, schedule: Schedule, costs: Costs):
-        self.schedule, self.costs, self.rows = schedule, costs, {}
+        self.schedule, self.costs, self.rows, self.users = schedule, costs, {}, {}
         self.nv = schedule.num_virtual_stages
+
+    def _comm(self, a: int, b: int) -> float:
+        owner = self.schedule.owner
+        return self.costs.t_comm if owner(a)[0] != owner(b)[0] else 0.0
 
     def __call__(self, op: Op, v: int) -> tuple:
         row = self.rows.get((op, v))
         if row is None:
-            f, owner = facts(op), self.schedule.owner
-            needs = tuple((n.op, v + n.offset, self.costs.t_comm if owner(v + n.offset)[0] != owner(v)[0] else 0.0)
-                          for n in f.needs if 0 <= v + n.offset < self.nv)
+            f = facts(op)
+            needs = tuple((n.op, v + n.offset, self._comm(v + n.offset, v)) for n in f.needs if 0 <= v + n.offset < self.nv)
             row = self.rows[op, v] = (needs, f.completes, f.duration(self.costs, v), f.memory_change(self.costs, v))
         return row
+
+    def users_of(self, op: Op, v: int) -> tuple:
+        """(op, virtual stage, T_comm) of the passes that need what `op` at `v` completes."""
+        found = self.users.get((op, v))
+        if found is None:
+            done = facts(op).completes
+            found = self.users[op, v] = tuple(
+                (other, v - n.offset, self._comm(v, v - n.offset))
+                for other in OPS for n in facts(other).needs if n.op in done and 0 <= v - n.offset < self.nv)
+        return found
 
 
 def _smallest(costs: Costs) -> float:
@@ -188,23 +201,21 @@ def right_justify(schedule: Schedule, costs: Costs, limits: list[float], timelin
     later than it did), into idle gaps where the memory limit lets it."""
     timeline = timeline or simulate(schedule, costs)
     row, smallest = _Facts(schedule, costs), _smallest(costs)
-    users: dict[tuple, list[tuple]] = {}  # (op, mb, vstage) -> the passes that need it, with T_comm
-    for t in _all(timeline):
-        for op, at, comm in row(t.op.op, t.vstage)[0]:
-            users.setdefault((op, t.op.mb, at), []).append((t.op.op, t.op.mb, t.vstage, comm))
-    lanes = []
+    lanes, ends = [], []
     for r, passes in enumerate(timeline.ranks):
         held = sum(row(t.op.op, t.vstage)[3] for t in passes)
-        lanes.append(_Backward(limits[r], smallest, held, passes[-1].end if passes else 0.0))
+        ends.append(passes[-1].end if passes else 0.0)
+        lanes.append(_Backward(limits[r], smallest, held, ends[-1]))
     started: dict[tuple, float] = {}
     stream_start: dict[tuple, float] = {}
     for t in sorted(_all(timeline), key=lambda t: (-t.end, -t.rank)):
         rank, p, v = t.rank, t.op, t.vstage
-        _, completes, length, change = row(p.op, v)
-        latest = min(stream_start.get((rank, p.op, p.chunk), float("inf")), timeline.ranks[rank][-1].end)
-        for done in completes:
-            for op, mb, at, comm in users.get((done, p.mb, v), ()):
-                latest = min(latest, started[op, mb, at] - comm)
+        latest = stream_start.get((rank, p.op, p.chunk), ends[rank])
+        for op, at, comm in row.users_of(p.op, v):
+            begins = started.get((op, p.mb, at))
+            if begins is not None and begins - comm < latest:
+                latest = begins - comm
+        _, _, length, change = row(p.op, v)
         start = lanes[rank].place(p, latest, length, change)
         started[p.op, p.mb, v] = start
         stream_start[rank, p.op, p.chunk] = start
