@@ -156,3 +156,17 @@ def test_mem_setup_sets_a_v_schedules_budget_and_is_refused_elsewhere(capsys):
     assert main(["simulate", "--schedule", "zb-h1", "-p", "8", "-m", "16", "--mem-setup", "half"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--mem-setup applies to the V schedules" in err[0]
+
+
+def test_a_budget_in_bytes_holds_on_every_rank_with_the_lm_head_on_rank_0():
+    p, m = 4, 8
+    costs = Costs.from_model(layers=8, hidden=256, heads=4, seq_length=128, micro_batch=2, vocab=1024,
+                             num_virtual_stages=2 * p, time_unit="ms")
+    rank_mb = [costs.m_f[r] + costs.m_f[2 * p - 1 - r] for r in range(p)]
+    assert rank_mb[0] > rank_mb[1]  # the last virtual stage (the head) lives on rank 0
+    budget = 3 * max(rank_mb)  # bytes: V-Half's 3 M_B on the heaviest rank, more than that elsewhere
+    schedule = zb_v(p, m, costs, memory_limit_absolute=budget)
+    timeline = validate(schedule, costs, memory_limit_absolute=budget)
+    assert max(timeline.peak_memory) <= budget
+    with pytest.raises(ScheduleError, match="below V-Min's"):
+        zb_v(p, m, costs, memory_limit_absolute=1.5 * max(rank_mb))

@@ -5,16 +5,18 @@ The budget is per rank, in in-flight microbatches (multiples of a rank's M_B) or
 --zero-bubble-v-schedule-mem-setup min|half|zb, names three budgets: V-Min's floor((p+4)/3) M_B,
 V-Half's floor((p+2)/2) M_B and ZB-V's p M_B (`mem_setup_limit`). Less than V-Min's is refused.
 
-Plans come from a fixed ladder of memory levels (V-Min's, V-Half's, some between, p, and 1.5p and 2p
-above). Each level gets its own candidates, every one held to that level's memory on every rank:
-- the paper's building blocks (vblocks.paper_shape) and blocks laid out on a grid of the real costs
-  (vblocks.Grid.of), the smallest period whose memory fits, read off for m microbatches, then squeezed
-  (vcompact: right-justified, or W passes refilled after left-justifying the rest);
-- the greedy list scheduler of vshape.py (its policies, seeded with the paper's ZB-V where that fits).
+Plans come from a fixed ladder of memory levels (V-Min's, V-Half's, some whole microbatches between,
+p, and 1.5p and 2p above). Each level gets its own candidates, every one held to that level's memory on
+every rank:
+- at V-Min's and V-Half's: the paper's building blocks (vblocks.paper_shape) and blocks laid out on a
+  grid of the real costs (vblocks.Grid.of) with the shortest periods whose memory fits, read off for m
+  microbatches and squeezed (vcompact: left- then right-justified, right- then left-justified, or with
+  the W passes refilled);
+- at the others: the greedy list scheduler of vshape.py, seeded with the paper's ZB-V where that fits.
 A budget takes the best simulated plan (the paper's bubble, then makespan) of every level it covers, so
-a larger budget can only do as well or better, and p M_B gives ZB-V's plan. The ladder and the
-candidates depend on p, m and the costs only; how many are tried shrinks as 6pm passes grow so that
-p = 32, m = 128 plans in seconds. Pure Python, no torch.
+a larger budget can only do as well or better (a budget between two levels gets the lower one's plan),
+and p M_B gives ZB-V's plan. The ladder and the candidates depend on p, m and the costs only; how many
+are tried shrinks as the 6pm passes grow, so that p = 32, m = 128 plans in seconds. Pure Python.
 """
 from __future__ import annotations
 
