@@ -350,17 +350,17 @@ def draw_tradeoff(args, rows, path) -> None:
              for name, setup in (("v-min", "min"), ("v-half", "half"), ("zb-v", "zb"))
              if mem_setup_limit(setup, args.stages) in by_level]
     others = [(name, max(t.peak_memory), t.bubble_rate) for name, t, _ in rows if t.schedule.layout != "v"]
-    title = (f"bubble against memory budget, p={args.stages}, m={args.microbatches}; costs per rank: "
+    title = (f"bubble against memory budget, p={args.stages}, m={args.microbatches}\ncosts per rank: "
              f"T_F {_times(costs.t_f)}, T_B {_times(costs.t_b)}, T_W {_times(costs.t_w)}, "
-             f"T_comm {costs.t_comm:.3g} {costs.time_unit} (V: two chunks, each half)")
+             f"T_comm {costs.t_comm:.3g} {costs.time_unit}")
     draw_budget_curve([(budget, bubble) for _, budget, bubble in curve], named, others, path,
                       costs.memory_unit, title)
 
 
 def _times(per_chunk) -> str:
-    """A V's per-chunk time as the per-rank figure users give (both chunks), one number if all agree."""
-    values = sorted({round(2 * t, 4) for t in per_chunk})
-    return f"{values[0]:g}" if len(values) == 1 else f"{values[0]:g}-{values[-1]:g}"
+    """A V's per-chunk times as the per-rank figures users give (both chunks, 3 digits), a range if they differ."""
+    values = sorted({float(f"{2 * t:.3g}") for t in per_chunk})
+    return f"{values[0]:g}" if len(values) == 1 else f"{values[0]:g} to {values[-1]:g}"
 
 
 def build_parser(extensions=()) -> argparse.ArgumentParser:
