@@ -420,7 +420,7 @@ def test_saved_activation_bytes_counts_what_autograd_keeps_once_and_skips_weight
 
 
 def test_measured_costs_take_the_slowest_replica_of_each_virtual_stage():
-    from megatron.zero_bubble.runtime.replan import measured_costs
+    from megatron.zero_bubble.runtime.planning import measured_costs
 
     def report(pp_rank, t_f, t_b, t_w, bw=None):
         return {"pp_rank": pp_rank, "t_f": [t_f], "t_b": [t_b], "t_w": [t_w], "t_bw": [bw], "m_f": [100.0 * (pp_rank + 1)],
@@ -469,8 +469,9 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
     "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
                                                 ["--log-params-norm", "--enable-optimizer-post-validation"]),
-    "post-validation with zb-v": (PP4 + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation"], 4,
-                                  ["--enable-optimizer-post-validation", "--zero-bubble-v-schedule"]),
+    "post-validation with megatron's own 1f1b": (PP4 + ["--pipeline-schedule", "1f1b",
+                                                        "--enable-optimizer-post-validation"], 4,
+                                                 ["--enable-optimizer-post-validation", "--enable-zb-runtime"]),
     "post-validation without a schedule": (PP4 + ["--enable-optimizer-post-validation"], 4,
                                            ["--enable-optimizer-post-validation", "--enable-zero-bubble"]),
     "exact rollback without post-validation": (PP4 + ["--enable-zero-bubble", "--zero-bubble-exact-rollback"], 4,

@@ -2,12 +2,17 @@
 
 Megatron's step all-reduces the gradient norm and the inf/NaN flag over the model-parallel group, every
 pipeline stage included, which keeps the next iteration from starting before the slowest stage ends.
-Here (paper, "bypassing optimizer synchronizations") stage r receives the partial sums from stage r-1,
-adds its own squared norm (already reduced over its tensor-parallel group, as megatron does), passes them
-on and steps speculatively unless the partial sums already show inf/NaN or a needed clip. The last stage
-holds the full sums; they travel back to every stage in the next iteration's V pass, where `validate`
-rolls a speculative step back (and re-steps with the clip coefficient) when needed and tells the
-executor whether the passes that ran before V, on speculative weights, must be replayed.
+Here (paper, "bypassing optimizer synchronizations") the schedule's S pass, after a rank's last pass,
+adds the rank's squared norm (reduced over its tensor-parallel group, as megatron does) to the partial
+sums from the rank before it in the statistics chain and passes them on; the rank then steps
+speculatively unless the partial sums already show inf/NaN or a needed clip. The last rank of the chain
+(schedules/post_validation.py) holds the full sums; they travel back to every rank in the next
+iteration's V passes, where the rank rolls a speculative step back (and re-steps with the clip
+coefficient) when needed and tells the executor whether the passes that ran before V, on speculative
+weights, must be replayed. Both summaries travel as messages of the schedule's lowering.
+
+The executor talks to this controller through four calls (executor.StepValidation): `statistics` (S),
+`receive_result` and `settle` (V), `flush` (a pending step validated outside an iteration).
 
 The squared norms travel per rank of megatron's statistics group (model-parallel ranks; every rank with
 the distributed optimizer) and are added in descending rank order, the order gloo's all-reduce of one
@@ -24,7 +29,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..schedules.comm import Recv, Send, consumed, lower
+from ..schedules.post_validation import validation_only
 from . import optimizer_rollback
+from .p2p import PipelineTransport, current_device
 
 # Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
 # group (in its rank order), then these three.
@@ -37,7 +45,7 @@ class StepState(StrEnum):
     STEPPED = "stepped"  # speculatively, on partial sums that showed nothing wrong
     DEFERRED = "deferred"  # not yet: the partial sums already need a clip, so it waits for the full ones
     SKIPPED = "skipped"  # inf/NaN in the partial sums
-    EXACT = "exact"  # the last stage: its partial sums are the full ones
+    EXACT = "exact"  # the last rank of the statistics chain: its partial sums are the full ones
 
 
 def summary_size(stats_ranks: int) -> int:
@@ -45,10 +53,22 @@ def summary_size(stats_ranks: int) -> int:
 
 
 @dataclass
+class _Statistics:
+    """What this rank's S pass found, for the step that follows it."""
+
+    summary: torch.Tensor  # the partial sums up to this rank (the full ones on the chain's last rank)
+    norm: float  # the grad norm those sums give
+    clip: bool  # whether they already call for clipping
+    state: "StepState"
+    final: bool  # this rank holds the full sums
+
+
+@dataclass
 class _Pending:
     """What stage r did in its step, kept until the full sums arrive."""
 
     state: StepState
+    final: bool  # this rank held the full sums: its step was exact, and it logged the verdict at once
     hyperparameters: list  # per leaf optimizer: [(lr, weight_decay)] per param group at step time
     undo: list  # per leaf optimizer: a Snapshot (exact) or a StepRecord (in-place inverse), "stepped" only
     scheduler_steps: int | None  # the LR scheduler's num_steps before train_step advanced it
@@ -74,7 +94,8 @@ class PostValidation:
     a ChainedOptimizer of those); pp_group: this rank's pipeline group; stats_group: the group megatron
     reduces gradient statistics over (its model-parallel group; the world with the distributed optimizer);
     stage_group: the part of it in this stage (tensor-parallel ranks; with the distributed optimizer also
-    the data-parallel ones); exact: keep snapshots for bit-exact rollback instead of inverting in place.
+    the data-parallel ones); exact: keep snapshots for bit-exact rollback instead of inverting in place;
+    layout and chunks: the schedule's, which fix the order in which the result walks the ranks (flush).
     """
 
     optimizer: object
@@ -83,13 +104,16 @@ class PostValidation:
     stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
     exact: bool = False
     scheduler: object = None
+    layout: str = "single"
+    chunks: int = 1
     zero_grad_owed: list = field(default_factory=list)  # deferred zero_grad calls, run after validation
     pending: _Pending | None = None
-    final: torch.Tensor | None = None  # the full sums, on the last stage, until sent in the next V
+    final: torch.Tensor | None = None  # the full sums, on the chain's last rank, until sent in the next V
     last_outcome: Outcome | None = None
     rollbacks: int = 0  # speculative steps this stage undid
-    rolled_back_steps: int = 0  # on the last stage: steps that some stage undoes (known there at once)
-    _partial_send: object = None
+    rolled_back_steps: int = 0  # steps that some stage undoes (the full sums' holder knows at once, others at V)
+    _statistics: _Statistics | None = None  # from this iteration's S pass, for the step
+    _unsettled: torch.Tensor | None = None  # the full sums received in V, applied once they went on
     # megatron's private optimizer methods (patches/megatron_private.py), handed in by the patch that puts
     # this controller in charge of the step (patches/optimizer_step.py)
     megatron_internals: object = None
@@ -114,13 +138,14 @@ class PostValidation:
         self.stage_ranks = dist.get_process_group_ranks(self.stage_group) if self.stage_group is not None else [dist.get_rank()]
         self.size = summary_size(len(self.stats_ranks))
         self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
 
-    # -- the step (replaces optimizer.step()) --------------------------------------------------------
+    # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
     @torch.no_grad()
-    def step(self):
-        """Megatron's (success, grad_norm, num_zeros); grad_norm is known (and returned) on the last stage only."""
+    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
+        """S: add this rank's gradient statistics to the partial sums (None on the chain's first rank) and
+        decide this rank's step; returns the sums to pass on (the full sums when `final`)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
         nonfinite = self._prepare_grads()
@@ -130,23 +155,28 @@ class PostValidation:
         if len(self.stage_ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
             gathered = [torch.empty_like(local) for _ in self.stage_ranks]
             dist.all_gather(gathered, local, group=self.stage_group)
-        summary = torch.zeros(self.size, dtype=torch.float, device=self.device)
-        if self.stage > 0:
-            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
+        summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
         for rank, value in zip(self.stage_ranks, gathered):
             summary[self.stats_ranks.index(rank)] = value[0]
             summary[NONFINITE] = max(float(summary[NONFINITE]), float(value[1]))
-        last = self.stage == self.stages - 1
         norm = self._norm(summary[:NONFINITE])
         clip = self._needs_clip(norm)
-        state = (StepState.SKIPPED if summary[NONFINITE] > 0 else StepState.EXACT if last
+        state = (StepState.SKIPPED if summary[NONFINITE] > 0 else StepState.EXACT if final
                  else StepState.DEFERRED if clip else StepState.STEPPED)
         summary[SPECULATIVE] += float(state == StepState.STEPPED)
-        pending = _Pending(state, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
-        if not last:  # pass the partial sums on before stepping, so the next stage need not wait for it
-            self._partial_send = dist.isend(
-                summary, dst=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group
-            )
+        self._statistics = _Statistics(summary, norm, clip, state, final)
+        return summary
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's (success, grad_norm, num_zeros); grad_norm is known (and returned) on the rank holding
+        the full sums only. Steps as this iteration's S pass decided."""
+        found, self._statistics = self._statistics, None
+        if found is None:
+            raise RuntimeError("optimizer post-validation: the step came without the schedule's statistics pass "
+                               "(S); plan the schedule with post_validation=True")
+        state, clip, norm = found.state, found.clip, found.norm
+        pending = _Pending(state, found.final, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
         if state == StepState.STEPPED:
             pending.undo = [self._keep_for_undo(leaf.optimizer) for leaf in self.leaves]
         if state in (StepState.STEPPED, StepState.EXACT):
@@ -154,25 +184,41 @@ class PostValidation:
                 self._clip(norm)
             self._step_leaves()
         self.pending = pending
-        if last:
+        skipped = state == StepState.SKIPPED
+        if found.final:
+            summary = found.summary
             summary[PENDING] = 1
             self.final = summary
-            self._update_loss_scale(state == StepState.SKIPPED)
-            skipped = state == StepState.SKIPPED
+            self._update_loss_scale(skipped)
             self.last_outcome = Outcome(norm, state, skipped, clip and not skipped, False, False)
-            if (clip or state == StepState.SKIPPED) and summary[SPECULATIVE] > 0:
+            if (clip or skipped) and summary[SPECULATIVE] > 0:
                 self.rolled_back_steps += 1
-        success = state != StepState.SKIPPED
-        reported_norm = norm if last and self.clip_grad > 0 else None
-        return success, (None if state == StepState.SKIPPED else reported_norm), None
+        reported_norm = norm if found.final and self.clip_grad > 0 else None
+        return not skipped, (None if skipped else reported_norm), None
 
     # -- the validation (the V pass) -----------------------------------------------------------------
     def own_summary(self) -> torch.Tensor:
-        """What the last stage sends in its V pass: the full sums of the pending step, or 'nothing pending'."""
+        """What the head of the validation chain sends in its V pass: the full sums of the pending step, or
+        'nothing pending'."""
         if self.final is None:
             return torch.zeros(self.size, dtype=torch.float, device=self.device)
         final, self.final = self.final, None
         return final
+
+    def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """V: the full sums from the rank before this one in the validation chain (None: this rank is its
+        head and holds them). Returns them, to be passed on, and whether every rank must replay what it ran
+        before V. The verdict is applied by `settle`, once the sums went on, so that the ranks after this
+        one do not wait for this rank's optimizer work."""
+        summary = self.own_summary() if result is None else result
+        self._unsettled = summary
+        return summary, self.needs_replay(summary)
+
+    def settle(self) -> None:
+        """Apply the verdict V received (a no-op when there is none waiting)."""
+        if self._unsettled is not None:
+            summary, self._unsettled = self._unsettled, None
+            self.validate(summary)
 
     def needs_replay(self, summary: torch.Tensor) -> bool:
         """Whether every rank must replay what it ran before V (decided alike everywhere from the full sums)."""
@@ -185,9 +231,6 @@ class PostValidation:
     @torch.no_grad()
     def validate(self, summary: torch.Tensor) -> bool:
         """Apply the verdict of the full sums to this stage's pending step; True when passes must be replayed."""
-        if self._partial_send is not None:
-            self._partial_send.wait()
-            self._partial_send = None
         if summary[PENDING] == 0:
             if self.pending is not None:
                 raise RuntimeError("optimizer post-validation: stages disagree on whether a step is pending")
@@ -212,10 +255,11 @@ class PostValidation:
                 self._step_leaves()
         if nonfinite and pending.state in (StepState.STEPPED, StepState.DEFERRED):
             self._undo_scheduler_increment(pending)
-        if self.stage < self.stages - 1:
+        replay = self.needs_replay(summary)
+        if not pending.final:  # the holder of the full sums did this at its step
             self._update_loss_scale(nonfinite)
             self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
-        replay = self.needs_replay(summary)
+            self.rolled_back_steps += (nonfinite or clip) and bool(summary[SPECULATIVE] > 0)
         self.last_outcome.replay = replay
         self.last_outcome.rolled_back = rolled_back
         self._run_owed_zero_grad()
@@ -225,14 +269,20 @@ class PostValidation:
     def flush(self) -> None:
         """Validate the pending step outside any schedule (before evaluation, checkpointing or the end).
 
-        Every rank must call it at the same point; the sums travel p-1 -> 0 with plain send/recv."""
-        if self.stage == self.stages - 1:
-            summary = self.own_summary()
-        else:
-            summary = torch.empty(self.size, dtype=torch.float, device=self.device)
-            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group)
-        if self.stage > 0:
-            dist.send(summary, dst=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
+        Every rank must call it at the same point; the sums take the V passes' way along the ranks, lowered
+        as in a schedule."""
+        schedule = validation_only(self.stages, self.chunks, self.layout)
+        transport = PipelineTransport(self.pp_group, (1,), torch.float, self.device, validation_numel=self.size)
+        summary = None
+        for item in lower(schedule)[self.stage]:
+            if isinstance(item, Recv):
+                transport.post_recv(item.msg)
+            elif isinstance(item, Send):
+                transport.post_send(item.msg, summary)
+            else:
+                need = consumed(schedule, self.stage, item)
+                summary = self.own_summary() if need is None else transport.wait_recv(need)
+        transport.finish()
         self.validate(summary)  # nothing ran on the speculative weights since the step: no replay
 
     @property

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from ..schedules.comm import consumed, produced
+from ..schedules.comm import produced
 from ..schedules.costs import Costs
-from ..schedules.ops import Kind, Op
+from ..schedules.ops import Kind, Op, facts
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
 from .executor import PipelineExecutor, _Iteration
@@ -106,18 +106,40 @@ class _EmulatedIteration(_Iteration):
     def weight(self, p: Pass) -> None:
         self._compute(p)
 
-    def validation_pass(self, p) -> bool:
-        """Receive the validation sums from the rank above and pass them on; never asks for a replay."""
-        need = consumed(self.schedule, self.rank, p)
-        summary = self.transport.wait_recv(need) if need is not None else torch.zeros(self.transport.validation_numel)
-        out = produced(self.schedule, self.rank, p)
-        if out is not None:
-            self.outgoing[out] = (summary, None)
-        now = (time.monotonic() - self.t0) / self.unit_s
-        self.record.append((Op.V, 0, 0, now, now))
-        return False
+    def finish_backward(self) -> None:
+        return None  # no model, no gradients to reduce
 
-    def apply_validation(self) -> None:
+    def validate_step(self, p: Pass) -> bool:
+        replay = super().validate_step(p)
+        self._record_instant(p)
+        return replay
+
+    def step_statistics(self, p: Pass) -> None:
+        super().step_statistics(p)
+        self._record_instant(p)
+
+    def _record_instant(self, p: Pass) -> None:
+        now = (time.monotonic() - self.t0) / self.unit_s
+        self.record.append((p.op, p.mb, p.chunk, now, now))
+
+
+@dataclass
+class _ModelledValidation:
+    """Post-validation's summaries travel as in training; the step never needs a rollback (executor.StepValidation)."""
+
+    size: int = 2
+    has_pending: bool = False
+
+    def statistics(self, partial, final: bool) -> torch.Tensor:
+        return torch.zeros(self.size) if partial is None else partial
+
+    def receive_result(self, result) -> tuple[torch.Tensor, bool]:
+        return (torch.zeros(self.size) if result is None else result), False
+
+    def settle(self) -> None:
+        return None
+
+    def flush(self) -> None:
         return None
 
 
@@ -150,14 +172,15 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         schedule = Schedule.from_json(schedule_json)
-        executor = PipelineExecutor(lambda m: schedule)
+        executor = PipelineExecutor(lambda m: schedule, post_validation=_ModelledValidation())
         run, program, _ = executor._program(schedule, rank, forward_only=False)  # the lowering training runs
         group = dist.group.WORLD
         numel = max(1, int(options.message_kib * 1024 // 4))
         delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
-        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"), validation_numel=2, **extra)
+        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"),
+                                   validation_numel=executor.post_validation.size, **extra)
         # Everyone starts at one agreed instant (CLOCK_MONOTONIC is shared by the processes of a machine).
         start = torch.tensor([time.monotonic() + 0.2 + 0.01 * world], dtype=torch.float64)
         dist.broadcast(start, src=0)
@@ -234,7 +257,7 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
             lateness = max(lateness, late)
             passes.append({"op": op, "mb": mb, "chunk": chunk, "planned_start": timed.start, "actual_start": start,
                            "actual_end": end, "lateness": late})
-        work = [a for a in actual if a[0] != Op.V]
+        work = [a for a in actual if facts(a[0]).takes_time]
         span = (work[-1][4] - work[0][3]) if work else 0.0
         spans.append(span)
         busy.append(sum(a[4] - a[3] for a in work))
@@ -243,7 +266,7 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
         # between one's end and the next one's start.
         for (before, after), (done, started) in zip(zip(planned, planned[1:]), zip(actual, actual[1:])):
             back_to_back = after.start - before.end < 1e-9 and done[4] >= after.start
-            if back_to_back and Op.V not in (done[0], started[0]):
+            if back_to_back and facts(done[0]).takes_time and facts(started[0]).takes_time:
                 gaps.append((started[3] - done[4]) * unit_ms * 1e3)
         measured_end = max(measured_end, max((a[4] for a in actual), default=0.0))
         per_rank.append({"rank": rank, "measured_span": span, "simulated_span": timeline.span(rank),

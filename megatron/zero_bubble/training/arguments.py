@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ..schedules.planners import (SCHEDULES, PlanRequest, conflicting_options, layout_of, natural_chunks,
-                                  pipeline_schedule_names, plan, post_validation_schedules,
-                                  split_backward_schedules)
+                                  pipeline_schedule_names, plan, split_backward_schedules)
 from ..schedules.schedule import ScheduleError
 
 # What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
@@ -36,8 +35,6 @@ DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in th
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
-# Single-layout schedules: the V pass and its replay are defined for one model chunk per rank.
-POST_VALIDATION_SCHEDULES = post_validation_schedules()
 
 
 class StartupRefusal(Exception):
@@ -408,7 +405,7 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
         plan(options.schedule, PlanRequest(
             stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
             memory_limit=options.memory_limit, ilp_time_limit=0,
-            post_validation=args.enable_optimizer_post_validation and options.schedule in POST_VALIDATION_SCHEDULES,
+            post_validation=args.enable_optimizer_post_validation,
         ))
     except ScheduleError as error:
         raise StartupRefusal(f"{flag}: {error}") from None
@@ -492,10 +489,10 @@ def check_flags(args) -> tuple[str | None, str | None]:
 
 def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
     """What the speculative step and its rollback support; everything else is refused here."""
-    if options.schedule not in POST_VALIDATION_SCHEDULES or not options.through_runtime:
+    if not options.through_runtime:
         raise StartupRefusal(
-            f"--enable-optimizer-post-validation works with {', '.join(POST_VALIDATION_SCHEDULES)} through the "
-            f"zero-bubble runtime, not with {flag}; pick one of those or drop the flag")
+            f"--enable-optimizer-post-validation works with schedules run by the zero-bubble runtime, not with "
+            f"megatron's own ({flag}); add --enable-zb-runtime or drop the flag")
     if _given("--rerun-mode") and args.rerun_mode != "disabled":
         raise StartupRefusal(
             f"--rerun-mode {args.rerun_mode} all-reduces over every rank after each forward-backward, the barrier "
