@@ -44,6 +44,7 @@ PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1e6"]}
 ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
 POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
+                        "pp4/zb-v/post-validation-exact", "pp4/interleaved/clip", "pp4/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
                         "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed")
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
@@ -73,6 +74,13 @@ def _runs(work: str) -> dict[str, list[str]]:
         "pp4/zb-h1/post-validation": PP4 + PV_MODEL + ["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"],
         "pp4/zb-auto/post-validation-exact": PP4 + PV_MODEL + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
                                                                "--zero-bubble-exact-rollback", *ILP],
+        # two chunks per rank: the result walks from rank 0 in a V, from rank 3 in the interleaved layout
+        "pp4/zb-v/post-validation-exact": PP4 + PV_MODEL + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation",
+                                                            "--zero-bubble-exact-rollback"],
+        "pp4/interleaved/clip": PP4 + PV_MODEL + ["--pipeline-schedule", "interleaved-1f1b"],
+        "pp4/interleaved/post-validation-exact": PP4 + PV_MODEL + [
+            "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime", "--enable-optimizer-post-validation",
+            "--zero-bubble-exact-rollback"],
         **{f"pp4/megatron/{precision}": PP4 + PV_MODEL + flags for precision, flags in PRECISIONS.items()},
         **{f"pp4/post-validation/{precision}": PP4 + PV_MODEL + flags + ROLLBACK[precision] + [
             "--pipeline-schedule", "zb-h2", "--enable-optimizer-post-validation"]
@@ -323,10 +331,14 @@ def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losse
     assert "zero-bubble:" not in runs["pp4/interleaved"]
 
 
-@pytest.mark.parametrize("run", ["pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact"])
-def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run):
-    _same_training(runs[run], runs["pp4/megatron/clip"])
-    assert validation_losses(runs[run]) == validation_losses(runs["pp4/megatron/clip"]) != []
+@pytest.mark.parametrize("run, reference", [
+    ("pp4/zb-h1/post-validation", "pp4/megatron/clip"), ("pp4/zb-auto/post-validation-exact", "pp4/megatron/clip"),
+    ("pp4/zb-v/post-validation-exact", "pp4/megatron/clip"),
+    ("pp4/interleaved/post-validation-exact", "pp4/interleaved/clip"),
+])
+def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run, reference):
+    _same_training(runs[run], runs[reference])
+    assert validation_losses(runs[run]) == validation_losses(runs[reference]) != []
     rollbacks = [int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", runs[run])]
     assert len(rollbacks) == ITERS and sum(rollbacks) >= 1  # the first step is rolled back and re-stepped
     assert "number of optimizer rollbacks" not in runs["pp4/megatron/clip"]
@@ -469,9 +481,6 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
     "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
                                                 ["--log-params-norm", "--enable-optimizer-post-validation"]),
-    "post-validation with megatron's own 1f1b": (PP4 + ["--pipeline-schedule", "1f1b",
-                                                        "--enable-optimizer-post-validation"], 4,
-                                                 ["--enable-optimizer-post-validation", "--enable-zb-runtime"]),
     "post-validation without a schedule": (PP4 + ["--enable-optimizer-post-validation"], 4,
                                            ["--enable-optimizer-post-validation", "--enable-zero-bubble"]),
     "exact rollback without post-validation": (PP4 + ["--enable-zero-bubble", "--zero-bubble-exact-rollback"], 4,
