@@ -61,7 +61,7 @@ def test_a_schedule_that_disagrees_with_the_run_is_refused_before_any_pass(pp, c
         PipelineExecutor.check_run_matches(one_f_one_b(2, 8), pp, chunks, m)
 
 
-def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped_grad_reduce():
+def test_split_schedules_are_refused_without_the_linear_patch_and_run_with_overlapped_grad_reduce():
     from types import SimpleNamespace
 
     from megatron.zero_bubble.patches import linear_wgrad
@@ -77,8 +77,7 @@ def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped
     linear_wgrad.install()
     try:
         executor.check_runtime_support(split, [plain])
-        with pytest.raises(ValueError, match="--overlap-grad-reduce is not supported"):
-            executor.check_runtime_support(split, [overlapped])
+        executor.check_runtime_support(split, [overlapped])  # the stores report deferred weights to DDP
     finally:
         linear_wgrad.uninstall()
 

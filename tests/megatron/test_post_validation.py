@@ -36,6 +36,7 @@ class Case:
     distributed: bool = False  # megatron's distributed optimizer (sharded over data-parallel ranks)
     spec: ModelSpec = SPEC
     schedule: str = "zb-h1"  # with post-validation; the synchronous reference is megatron's own where it has one
+    overlap: bool = False  # megatron DDP's overlapped reduction (and, distributed, parameter gathers), small buckets
 
 
 V_SCHEDULES = ("zb-v", "v-half")  # megatron has no V: their synchronous reference is our executor's
@@ -106,7 +107,9 @@ def _train(case: Case, session) -> dict:
     from megatron.zero_bubble.schedules.planners import layout_of
 
     harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=case.distributed)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=case.distributed, overlap_grad_reduce=case.overlap,
+        overlap_param_gather=case.overlap and case.distributed, bucket_size=12_000 if case.overlap else None)
     chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout), ddp_config)
     settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
     optimizer = harness.make_optimizer(chunks, OptimizerConfig(
@@ -150,6 +153,8 @@ def _train(case: Case, session) -> dict:
     if controller is not None:
         controller.flush()
         outcomes.append(dataclasses.asdict(controller.last_outcome))
+    for chunk in chunks if ddp_config.overlap_param_gather else ():  # the last step's parameters, gathered
+        chunk.start_param_sync(force_sync=True)
     tied = None
     if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
         tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
@@ -186,6 +191,12 @@ CASES = [
     Case("pp4/pv/clip/tied", PP4, True, clip=CLIP, spec=ModelSpec(tie_embeddings=True)),
     Case("pp2/distributed/sync/inf", PP2, False, inject=(2, 1), distributed=True),
     Case("pp2/distributed/pv/inf", PP2, True, inject=(2, 1), exact=True, distributed=True),
+    # megatron DDP's overlapped reduction and parameter gathers: a rollback must wait for the gathers a forward
+    # started (they carry the speculative values) and gather the validated parameters itself
+    Case("pp2/distributed/overlap/sync/clip", PP2, False, clip=CLIP, distributed=True, overlap=True),
+    Case("pp2/distributed/overlap/pv/clip/exact", PP2, True, clip=CLIP, exact=True, distributed=True, overlap=True),
+    Case("pp4/overlap/sync/clip", PP4, False, clip=CLIP, overlap=True),
+    Case("pp4/overlap/pv/clip/exact", PP4, True, clip=CLIP, exact=True, overlap=True, schedule="zb-auto"),
     # Two chunks per rank: the result walks from rank 0 in a V (its last virtual stage), from rank p-1 interleaved.
     Case("pp4/zb-v/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="zb-v"),
     Case("pp4/zb-v/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS, schedule="zb-v"),
@@ -261,6 +272,8 @@ def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ("pp2/distributed/pv/clip/exact", "pp2/distributed/sync/clip"),
     ("pp4/zb-v/pv/clip/exact", "pp4/zb-v/sync/clip"), ("pp4/v-half/pv/clip/exact", "pp4/v-half/sync/clip"),
     ("pp4/interleaved/pv/clip/exact", "pp4/interleaved/sync/clip"),
+    ("pp2/distributed/overlap/pv/clip/exact", "pp2/distributed/overlap/sync/clip"),
+    ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
 ])
 def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
     _assert_identical(reports[label], reports[reference])

@@ -46,8 +46,10 @@ ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
 POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
                         "pp4/zb-v/post-validation-exact", "pp4/interleaved/clip", "pp4/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
-                        "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed")
+                        "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
+                        "dp2pp2/post-validation/distributed/overlap")
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
 
@@ -85,7 +87,13 @@ def _runs(work: str) -> dict[str, list[str]]:
         **{f"pp4/post-validation/{precision}": PP4 + PV_MODEL + flags + ROLLBACK[precision] + [
             "--pipeline-schedule", "zb-h2", "--enable-optimizer-post-validation"]
            for precision, flags in PRECISIONS.items()},
+        "dp2pp2/megatron/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP],
+        "dp2pp2/zb-h1/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--pipeline-schedule", "zb-h1"],
+        "dp2pp2/zb-auto/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--enable-zero-bubble", *ILP],
         "dp2pp2/megatron/distributed": DISTRIBUTED,
+        "dp2pp2/post-validation/distributed/overlap": DISTRIBUTED + OVERLAP + [
+            "--overlap-param-gather", "--pipeline-schedule", "zb-auto", "--enable-optimizer-post-validation",
+            "--zero-bubble-exact-rollback", *ILP],
         "dp2pp2/post-validation/distributed": DISTRIBUTED + ["--pipeline-schedule", "zb-h1",
                                                              "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
     }
@@ -367,6 +375,20 @@ def test_optimizer_post_validation_with_the_distributed_optimizer_prints_megatro
         runs["dp2pp2/megatron/distributed"]) != []
 
 
+@pytest.mark.parametrize("run", ["dp2pp2/megatron/overlap", "dp2pp2/zb-h1/overlap", "dp2pp2/zb-auto/overlap"])
+def test_overlapped_gradient_reduction_prints_the_losses_of_megatrons_1f1b(runs, run):
+    _same_training(runs[run], runs["dp2pp2/megatron"])
+    assert validation_losses(runs[run]) == validation_losses(runs["dp2pp2/megatron"]) != []
+
+
+def test_post_validation_with_overlapped_reduction_and_parameter_gathers_prints_megatrons_losses(runs):
+    """(Rollbacks while a parameter gather is in flight: test_post_validation.py, pp2/distributed/overlap.)"""
+    ours = runs["dp2pp2/post-validation/distributed/overlap"]
+    _same_training(ours, runs["dp2pp2/megatron/distributed"])
+    assert validation_losses(ours) == validation_losses(runs["dp2pp2/megatron/distributed"]) != []
+    assert "optimizer post-validation on" in ours
+
+
 @pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
 def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run):
     _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
@@ -461,8 +483,8 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                 "--allow-padding-num-layers"], 2, ["--allow-padding-num-layers", "not implemented"]),
     "memory limit below one microbatch": (PP4 + ["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "0.5"], 4,
                                           ["--zero-bubble-max-pending-backward", "below one microbatch"]),
-    "overlap-grad-reduce with a split backward": (PP4 + ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce"], 4,
-                                                  ["--overlap-grad-reduce", "drop"]),
+    "megatron's own wgrad deferral with the runtime": (PP4 + ["--pipeline-schedule", "zb-h1", "--delay-wgrad-compute"],
+                                                       4, ["--delay-wgrad-compute", "backward_dw", "drop"]),
     "missing --data-path": (["--pipeline-model-parallel-size", "2", "--enable-zero-bubble", "--data-path",
                              "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
     "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),

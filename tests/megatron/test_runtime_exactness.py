@@ -39,6 +39,32 @@ class Case:
     spec: ModelSpec = SPEC
     forward_only: bool = False
     patch_only: bool = False  # install the linear patch but run megatron's schedule
+    overlap: bool = False  # megatron DDP's overlapped gradient reduction, in small buckets
+    distributed: bool = False  # with overlap: the distributed optimizer and overlapped parameter gathers
+
+
+BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that their reductions can start apart
+
+
+def _ddp_config(case: Case):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if not case.overlap:
+        return None
+    return DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_ELEMENTS,
+                                         use_distributed_optimizer=case.distributed,
+                                         overlap_param_gather=case.distributed)
+
+
+def _record_reductions(chunks: list, events: list) -> None:
+    """Log ("reduce", chunk, bucket group) each time megatron DDP starts a bucket group's gradient reduction."""
+    for k, chunk in enumerate(chunks):
+        for i, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
+            def start(*args, _original=group.start_grad_sync, _key=(k, i), **kwargs):
+                events.append(("reduce", *_key))
+                return _original(*args, **kwargs)
+
+            group.start_grad_sync = start
 
 
 def _run_case(case: Case) -> dict:
@@ -56,18 +82,33 @@ def _run_case(case: Case) -> dict:
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
         if case.ddp:
-            chunks = harness.wrap_in_ddp(chunks)
-        optimizer = harness.make_optimizer(chunks) if case.steps > 1 else None
+            chunks = harness.wrap_in_ddp(chunks, _ddp_config(case))
+        optimizer = None
+        if case.steps > 1:
+            from megatron.core.optimizer import OptimizerConfig
+
+            optimizer = harness.make_optimizer(chunks, OptimizerConfig(
+                optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=case.distributed))
+        events = []  # of the last step: passes of our executor, reductions megatron's DDP starts
+        if case.overlap:
+            _record_reductions(chunks, events)
+            if executor is not None:
+                executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb))
         m, losses = case.microbatches, {}
         for step in range(case.steps):
+            events.clear()
             if optimizer is not None:
                 optimizer.zero_grad()
+                for chunk in chunks:
+                    chunk.zero_grad_buffer()
             step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_only=case.forward_only)
             losses.update({(step, k): v for k, v in step_losses.items()})
             grads = {} if case.forward_only else harness.full_grads(chunks)  # the last step's gradients
             if optimizer is not None:
                 success, _, _ = optimizer.step()
                 assert success
+        for chunk in chunks if case.distributed else ():  # the last step's parameters, gathered
+            chunk.start_param_sync(force_sync=True)
         return {
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
@@ -75,6 +116,8 @@ def _run_case(case: Case) -> dict:
             "grads": grads,
             "params": harness.full_params(chunks),
             "stats": executor.last_stats if executor is not None else None,
+            "events": list(events),
+            "bucket_groups": [len(c.bucket_groups + c.expert_parallel_bucket_groups) for c in chunks] if case.ddp else [],
         }
 
 
@@ -99,6 +142,14 @@ CASES = [
     Case("pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", 4),
     Case("pp1/megatron/8", Layout(), None, 8, spec=SPEC8),
     *[Case(f"pp4/{s}", Layout(pp=4, vpp=2), s, 8, spec=SPEC8) for s in V_SCHEDULES],
+    # megatron DDP's overlapped reduction (and, distributed, overlapped parameter gathers): three Adam steps, the
+    # first of which megatron never overlaps (it learns each bucket's parameters then)
+    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True)
+      for s in (None,) + ZB_SCHEDULES],
+    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap/distributed", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
+           distributed=True) for s in (None, "zb-h1", "zb-auto")],
+    Case("pp1/megatron/adam", Layout(), None, 4, ddp=True, steps=3),
+    Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True),
 ]
 
 
@@ -189,3 +240,48 @@ def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedules_on_four_ranks_are_bit_identical_to_a_single_stage_run(reports, schedule):
     _assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
+
+
+@pytest.mark.parametrize("schedule", ("megatron",) + ZB_SCHEDULES)
+def test_overlapped_gradient_reduction_is_bit_identical_to_megatrons(reports, schedule):
+    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron/overlap"])
+    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron"])  # overlap changes nothing
+
+
+@pytest.mark.parametrize("schedule", ("zb-h1", "zb-auto"))
+def test_overlapped_reduction_and_parameter_gathers_with_the_distributed_optimizer_are_bit_identical(reports, schedule):
+    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap/distributed"], reports["pp2xdp2/megatron/overlap/distributed"])
+
+
+def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(reports):
+    _assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
+
+
+@pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
+                         + [f"pp2xdp2/{s}/overlap/distributed" for s in ("zb-h1", "zb-auto")])
+def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(reports, label):
+    """In an iteration after the first (megatron learns each bucket's parameters in the first): every bucket
+    group's reduction starts exactly once, and the first one before the rank's last W pass ended (it fails if
+    every reduction starts after the passes). Megatron buckets the first pipeline stage only; there, with
+    several W passes after the last B, the first reduction starts before the last W pass begins."""
+    for report in reports[label]:
+        events = report["events"]
+        reductions = [e[1:] for e in events if e[0] == "reduce"]
+        assert sorted(reductions) == [(k, i) for k, n in enumerate(report["bucket_groups"]) for i in range(n)]
+        passes = [i for i, e in enumerate(events) if e[0] == "pass"]
+        last_w = max(i for i in passes if events[i][1] == "W")
+        first_reduction = min(i for i, e in enumerate(events) if e[0] == "reduce")
+        assert first_reduction < last_w, (report["pp_rank"], events)
+        w_after_last_b = [i for i in passes if i > max(j for j in passes if events[j][1] == "B") and events[i][1] == "W"]
+        if report["pp_rank"] == 0 and len(w_after_last_b) > 1:
+            assert sum(report["bucket_groups"]) > 2
+            before_last_w = max(i for i in passes if i < last_w)
+            assert first_reduction < before_last_w, (report["pp_rank"], events)
+
+
+def test_the_overlap_test_sees_a_reduction_that_starts_before_the_last_w_pass_begins(reports):
+    """zb-auto's first stage runs two W passes after its last B (the layer-by-layer tail), so the stronger check
+    of the test above runs there."""
+    rank0 = next(r for r in reports["pp2xdp2/zb-auto/overlap"] if r["pp_rank"] == 0)
+    kinds = [e[1] for e in rank0["events"] if e[0] == "pass"]
+    assert kinds[-3:] == ["B", "W", "W"]

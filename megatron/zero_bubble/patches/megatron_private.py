@@ -44,3 +44,20 @@ def copy_main_params_to_model_params(optimizer) -> None:
     method = getattr(optimizer, "_copy_main_params_to_model_params", None)
     if method is not None:
         method()
+
+
+def grad_ready_hook(model_chunk):
+    """For a megatron DistributedDataParallel chunk, `ready(param)`: what DDP's per-parameter hook does with a
+    gradient accumulated into main_grad under overlap_grad_reduce, for gradients the W passes accumulate:
+    register the parameter with its bucket group (`register_grad_ready`, counted once megatron's no_sync is
+    left), which starts the group's reduction once all its parameters are in. None for anything else."""
+    groups = getattr(model_chunk, "param_to_bucket_group", None)
+    if groups is None:
+        return None
+
+    def ready(param) -> None:
+        group = groups.get(param)
+        if group is not None:
+            group.register_grad_ready(param, getattr(model_chunk, "force_all_reduce", False))
+
+    return ready

@@ -11,7 +11,6 @@ executor reaches the controller through the `StepValidation` interface only.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -73,19 +72,42 @@ def pipeline_tensor_shape(config, pg_collection, seq_length: int, micro_batch_si
     )[0])
 
 
-def _combined(funcs):
-    """Megatron keeps one no_sync/grad_sync function per model chunk when there are several."""
-    if funcs is None or not isinstance(funcs, (list, tuple)):
-        return funcs
+class ChunkGradSync:
+    """Megatron's no_sync around each chunk's backward passes but its last one, as megatron's schedules do:
+    until then megatron DDP counts no parameter as ready; in the last one the hooks (and the stores'
+    grad_ready for deferred weights) register each parameter, and a bucket's reduction starts once all of
+    its parameters are in (overlap_grad_reduce). Entered lazily, before a backward pass: post-validation
+    may zero the gradient buffers in the V pass, which resets DDP's flag. Megatron keeps one no_sync
+    function per chunk when there are several."""
 
-    @contextlib.contextmanager
-    def all_chunks():
-        with contextlib.ExitStack() as stack:
-            for f in funcs:
-                stack.enter_context(f())
-            yield
+    def __init__(self, no_sync_func, num_chunks: int):
+        funcs = list(no_sync_func) if isinstance(no_sync_func, (list, tuple)) else [no_sync_func]
+        self._per_chunk = len(funcs) == num_chunks
+        self._funcs = funcs
+        self._open: dict[int, object] = {}  # index into funcs -> its entered context
 
-    return all_chunks
+    def before_backward(self, chunk: int, last: bool) -> None:
+        index = chunk if self._per_chunk else 0
+        if last:
+            self._leave(index)
+        elif index not in self._open and self._funcs[index] is not None:
+            self._open[index] = self._funcs[index]()
+            self._open[index].__enter__()
+
+    def release_all(self) -> None:
+        for index in list(self._open):
+            self._leave(index)
+
+    def _leave(self, index: int) -> None:
+        context = self._open.pop(index, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def _per_chunk(funcs, num_chunks: int) -> list:
+    if funcs is None:
+        return []
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs] * num_chunks
 
 
 class PipelineExecutor:
@@ -123,6 +145,12 @@ class PipelineExecutor:
                 store.attach(chunk)
             self._attached_to = [id(c) for c in chunks]
         return self.stores
+
+    def _prepare_stores(self, chunks: list) -> None:
+        """With megatron DDP's overlapped reduction, the stores report deferred weights through DDP's own hook."""
+        for store, chunk in zip(self.stores, chunks):
+            overlap = getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)
+            store.grad_ready = self.internals().grad_ready_hook(chunk) if overlap else None
 
     def internals(self):
         if self.megatron_internals is None:
@@ -194,12 +222,6 @@ class PipelineExecutor:
                 f"the schedule '{schedule.name}' splits the backward, but the B/W split of the linear layers "
                 f"is not installed (megatron.zero_bubble.patches.linear_wgrad.install())"
             )
-        if any(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks):
-            # DDP's per-parameter hooks would launch reductions before the deferred W has accumulated.
-            raise ValueError(
-                "--overlap-grad-reduce is not supported with zero-bubble schedules yet; drop the flag "
-                "(gradients are then reduced once after the last W)"
-            )
 
     # -- the megatron-compatible entry ---------------------------------------------------------------
     def __call__(
@@ -260,8 +282,10 @@ class PipelineExecutor:
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
         if not forward_only:
-            # gradients are reduced once, after the last W, as megatron does after its last backward
-            iteration.no_sync.enter_context((_combined(config.no_sync_func) or contextlib.nullcontext)())
+            iteration.grad_sync = ChunkGradSync(config.no_sync_func, len(chunks))
+            self._prepare_stores(chunks)
+            for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
+                param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules start them
         iteration.run(program)
         iteration.finish_backward()
         if config.timers is not None:
@@ -294,7 +318,7 @@ class _Iteration:
     rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
     pg_collection: object = None
     force_all_reduce: bool | None = False
-    no_sync: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # megatron's no_sync, until S
+    grad_sync: ChunkGradSync | None = None  # megatron's no_sync per chunk (training only)
     backward_finished: bool = False
     forward_data_store: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
@@ -306,6 +330,8 @@ class _Iteration:
 
     def __post_init__(self):
         self.last_vstage = self.schedule.num_virtual_stages - 1
+        # each chunk's last backward pass: megatron's gradient sync for the chunk starts right before it
+        self.last_backward = {p.chunk: p for p in self.schedule.ranks[self.rank] if p.op in (Op.B, Op.BW)}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     def run(self, program: list) -> None:
@@ -338,15 +364,14 @@ class _Iteration:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
 
     def finish_backward(self) -> None:
-        """Leave megatron's no_sync and reduce the gradients, as megatron does after its last backward (once:
-        before S, whose statistics need the reduced gradients, or at the end)."""
-        self.no_sync.close()
+        """Reduce the gradients, as megatron does after its last backward (once: before S, whose statistics
+        need the reduced gradients, or at the end). finalize_model_grads starts what has not started and
+        waits for every bucket. Megatron's grad_sync_func (--align-grad-reduce) is not called: it would start
+        again the buckets that started as they became ready."""
         if self.forward_only or self.backward_finished:
             return
         self.backward_finished = True
-        grad_sync = self.config.grad_sync_func
-        for k, chunk in enumerate(self.chunks if grad_sync is not None else []):
-            (grad_sync[k] if isinstance(grad_sync, list) else grad_sync)(chunk.parameters())
+        self.grad_sync.release_all()
         if self.config.finalize_model_grads_func is not None:
             self.config.finalize_model_grads_func(
                 self.chunks,
@@ -467,12 +492,15 @@ class _Iteration:
             self.transport.complete_send(sent)  # the output must be freed before megatron's custom_backward
         output_grad = None if vs == self.last_vstage else self._incoming(p, Kind.GRAD, vs)
         store = self.stores[p.chunk]
+        last = p == self.last_backward[p.chunk]
+        self.grad_sync.before_backward(p.chunk, last)
         if p.op == Op.B:
             with store.split_backward():
                 input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
-            store.close_microbatch(p.mb)
+            store.close_microbatch(p.mb, last=last)
         else:
-            input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
+            with store.fused_backward(last):
+                input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
             self.in_flight -= 1
         if vs > 0:
             self._outgoing(p, Kind.GRAD, input_grad, vs - 1)

@@ -242,17 +242,23 @@ class PostValidation:
         nonfinite = bool(summary[NONFINITE] > 0)
         norm = self._norm(summary[:NONFINITE])
         clip = not nonfinite and self._needs_clip(norm)
-        rolled_back = False
-        if pending.state == StepState.STEPPED and (nonfinite or clip):
-            self._undo(pending)
-            rolled_back = True
-            self.rollbacks += 1
+        undo = pending.state == StepState.STEPPED and (nonfinite or clip)
         waiting = pending.state in (StepState.STEPPED, StepState.DEFERRED)
-        if waiting and not nonfinite and (clip or pending.state == StepState.DEFERRED):
+        step = waiting and not nonfinite and (clip or pending.state == StepState.DEFERRED)
+        gathers = self._overlapped_gathers() if undo or step else []
+        for chunk in gathers:  # what a forward pre-hook started gathers the speculative step's values: let it end
+            chunk.start_param_sync(force_sync=True)
+        if undo:
+            self._undo(pending, gather=not gathers)
+            self.rollbacks += 1
+        if step:
             if clip:
                 self._clip(norm)
             with self._hyperparameters_of(pending):
                 self._step_leaves()
+        for chunk in gathers:  # now every rank of the stage holds the validated parameters
+            chunk.start_param_sync(force_sync=True)
+        rolled_back = undo
         if nonfinite and pending.state in (StepState.STEPPED, StepState.DEFERRED):
             self._undo_scheduler_increment(pending)
         replay = self.needs_replay(summary)
@@ -363,7 +369,14 @@ class PostValidation:
             return optimizer_rollback.snapshot(torch_optimizer)
         return optimizer_rollback.prepare(torch_optimizer), _copy_of_tied_embedding(torch_optimizer)
 
-    def _undo(self, pending: _Pending) -> None:
+    def _overlapped_gathers(self) -> list:
+        """The model chunks whose parameter all-gathers megatron overlaps with the next forward passes
+        (--overlap-param-gather with the distributed optimizer): after the step, a forward pre-hook gathers
+        each bucket on its first use; a validation that changes the parameters gathers them itself."""
+        return [chunk for leaf in self.leaves for chunk in getattr(leaf, "model_chunks", [])
+                if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False)]
+
+    def _undo(self, pending: _Pending, gather: bool = True) -> None:
         with self._hyperparameters_of(pending):
             for leaf, kept in zip(self.leaves, pending.undo):
                 if kept is None:
@@ -375,7 +388,7 @@ class PostValidation:
                     optimizer_rollback.invert(leaf.optimizer, record)
                     _restore_tied_embedding(leaf.optimizer, tied)
                 self.megatron_internals.copy_main_params_to_model_params(leaf)
-                if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
+                if gather and hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
                     leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 
     def _hyperparameters(self) -> list:

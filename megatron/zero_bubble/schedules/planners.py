@@ -39,9 +39,6 @@ _V_PLACEMENT = tuple(
                    "decoder_last_pipeline_num_layers", "mtp_num_layers",
                    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 )
-_SPLIT_BACKWARD = (
-    Conflict("overlap_grad_reduce", "deferred weight gradients finish after megatron's per-parameter hooks"),
-)
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class ScheduleKind:
 
     @property
     def conflicting_options(self) -> tuple[Conflict, ...]:
-        return (_V_PLACEMENT if self.layout == "v" else ()) + (_SPLIT_BACKWARD if self.split_backward else ())
+        return _V_PLACEMENT if self.layout == "v" else ()
 
 
 def _v_shape(planner) -> Callable[[PlanRequest], Schedule]:

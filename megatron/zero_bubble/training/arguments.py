@@ -389,6 +389,16 @@ def _check_conflicts(args, schedule: str, flag: str) -> None:
             raise StartupRefusal(f"{option} does not work with {flag} ({conflict.reason}); drop {option}")
 
 
+# What the zero-bubble runtime cannot drive, whatever the schedule: the megatron option and why.
+_NOT_WITH_THE_RUNTIME = {
+    "delay_wgrad_compute": "its weight gradients wait for backward_dw(), which only megatron's own schedules call",
+    "overlap_param_gather_with_optimizer_step": "it leaves the later chunks' parameter gathers to megatron's "
+                                                "interleaved schedule",
+    "use_megatron_fsdp": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "use_torch_fsdp2": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+}
+
+
 def _check_runtime(args, flag: str) -> None:
     for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
         if getattr(args, name, False):
@@ -396,6 +406,10 @@ def _check_runtime(args, flag: str) -> None:
                 f"--{name.replace('_', '-')} gives variable sequence lengths, which the zero-bubble runtime "
                 f"does not support ({flag} needs fixed pipeline tensor shapes); drop one of them"
             )
+    for name, why in _NOT_WITH_THE_RUNTIME.items():
+        if getattr(args, name, False):
+            option = "--" + name.replace("_", "-")
+            raise StartupRefusal(f"{option} does not work with the zero-bubble runtime ({flag}): {why}; drop {option}")
 
 
 def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
@@ -499,7 +513,6 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
             f"--enable-optimizer-post-validation removes (without --rerun-mode it is switched off); use "
             f"--rerun-mode disabled or drop one of them")
     unsupported = {
-        "overlap_param_gather": "the next forward would gather speculative parameters before validation",
         "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
         "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
