@@ -362,8 +362,10 @@ def _destroy_groups(keep: set[int], synchronize: bool = True) -> None:
     while groups:  # popped, so that no reference outlives the loop
         dist.destroy_process_group(groups.pop())
     # A gloo group's threads end with its C++ object, when the last reference goes: the model, DDP buffers
-    # and optimizer of a scenario hold some in reference cycles.
-    gc.collect()
+    # and optimizer of a scenario hold some in reference cycles, some freed only by a later collection
+    # (post-validation with overlapped reduction: one that the first collection's finalizers let go).
+    while gc.collect():
+        pass
 
 
 def transformer_config(spec: ModelSpec, **overrides):

@@ -497,9 +497,6 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "post-validation with multi-token prediction": (
         PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--mtp-num-layers", "1"], 4,
         ["--mtp-num-layers", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
-    "post-validation with overlapped parameter gathers": (
-        PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--use-distributed-optimizer",
-               "--overlap-param-gather"], 4, ["--overlap-param-gather", "--enable-optimizer-post-validation"]),
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
     "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
                                                 ["--log-params-norm", "--enable-optimizer-post-validation"]),
