@@ -42,6 +42,7 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.transformer.utils",  # default causal mask, built on middle stages
     "megatron.core.tensor_parallel.layers",  # weights created on current_device() (no CPU initialisation)
     "megatron.core.tensor_parallel.random",  # tracker.add seeds and reads the "cuda" generator
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gathers / scatters, MoE all-to-all outputs
     "megatron.core.utils",  # GlobalMemoryBuffer (p2p shapes), local l2 norm result
     "megatron.core.timers",  # synchronize and all-gather buffer when the training loop times things
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
