@@ -3,8 +3,9 @@ megatron's own 1F1B.
 
 One spawned group of 4 ranks runs every scenario in turn; the parent compares the reports with torch.equal.
 - MoE (megatron-core's MoELayer: top-2 router with the auxiliary load-balancing loss, alltoall dispatcher,
-  local experts in a SequentialMLP) at PP=4 and at PP=2 x EP=2, megatron DDP and three Adam steps: losses,
-  gradients, parameters after the steps and the per-layer MoE metrics megatron's tracker collects.
+  local experts in a SequentialMLP) at PP=4 and at PP=2 x EP=2 (also with the allgather dispatcher), megatron
+  DDP and three Adam steps: losses, gradients, parameters after the steps and the per-layer MoE metrics
+  megatron's tracker collects.
 - ZB-V with MoE against a single-stage run of the same model (each replica a torch Adam of its own: no
   reduction whose order depends on the layout).
 - Sequence parallelism at TP=2 x PP=2 (the CPU backend's norm): zb-h1 / zb-auto against megatron's 1F1B with
@@ -23,6 +24,7 @@ ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
 MOE = ModelSpec(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, add_bias_linear=False)
 SP = ModelSpec(sequence_parallel=True)
 MOE_SP = dataclasses.replace(MOE, sequence_parallel=True)
+MOE_ALLGATHER = dataclasses.replace(MOE, moe_token_dispatcher_type="allgather")
 MOE_METRIC = "load_balancing_loss"
 
 
@@ -129,6 +131,7 @@ def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES,
 CASES = [
     *_cases("moe/pp4", Layout(pp=4), MOE),
     *_cases("moe/pp2xep2", Layout(pp=2, ep=2), MOE),
+    *_cases("moe-allgather/pp2xep2", Layout(pp=2, ep=2), MOE_ALLGATHER, schedules=("zb-h1",)),
     Case("moe/pp1", Layout(), None, MOE, optimizer="local"),
     Case("moe/pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", MOE, optimizer="local"),
     *_cases("sp/tp2xpp2", Layout(tp=2, pp=2), SP, schedules=("zb-h1", "zb-auto")),
@@ -161,6 +164,10 @@ def _expert_weights(report) -> set:
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_moe_losses_gradients_and_adam_steps_are_bit_identical_to_megatron_1f1b(reports, layout, schedule):
     _assert_identical(reports[f"moe/{layout}/{schedule}"], reports[f"moe/{layout}/megatron"])
+
+
+def test_moe_with_the_allgather_dispatcher_is_bit_identical_to_megatron_1f1b(reports):
+    _assert_identical(reports["moe-allgather/pp2xep2/zb-h1"], reports["moe-allgather/pp2xep2/megatron"])
 
 
 def test_expert_parallel_ranks_hold_different_experts_under_global_names(reports):
