@@ -18,10 +18,10 @@ alone, and torch's all_to_all_single takes the split sizes as a sequence of ints
 Megatron keeps the dispatcher's stream in a class attribute once made; `uninstall()` forgets it again when
 it is ours (a do-nothing stream), so that a later run with CUDA would make a real one.
 
-Not covered (refused at start-up by pretrain_gpt.py where it would be asked for): the grouped GEMM experts
-(`--moe-grouped-gemm`: GroupedMLP needs the grouped_gemm CUDA kernels, TEGroupedMLP Transformer Engine), the
-DeepEP / HybridEP dispatchers (CUDA libraries), shared-expert overlap and delayed expert wgrad (CUDA streams
-and events on purpose), MoE paged stashing (triton).
+Installs the core part first (cpu_backend_core.py). Not covered, and refused at start-up by pretrain_gpt.py
+on CPU: the grouped experts (`--moe-grouped-gemm`: Transformer Engine's TEGroupedMLP; megatron-core 0.19.2 has
+no other), fused permutation (Transformer Engine), the flex dispatcher (DeepEP / HybridEP), shared-expert
+overlap (a CUDA stream on purpose). MoE paged stashing needs triton (imports.py's stub raises).
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ import importlib
 
 import torch
 
+from . import cpu_backend_core
 from ._patching import MegatronPatch, PatchError
-from .cpu_backend_core import cuda_available
+from .cpu_backend_core import see_cpu_as_cuda
 from .cpu_backend_torch import CpuTorch, NullStream
 
 MOE_MODULES_SEEING_CPU_AS_CUDA = (
@@ -47,16 +48,8 @@ class MoeCpuBackend(MegatronPatch):
     name = "cpu_backend_moe"
 
     def apply(self, force: bool = False) -> None:
-        if cuda_available() and not force:
-            raise PatchError(
-                "CUDA is available: the CPU backend is for machines without a GPU (pass force=True to use it anyway)"
-            )
-        cpu_torch = CpuTorch()
-        for name in MOE_MODULES_SEEING_CPU_AS_CUDA:
-            module = importlib.import_module(name)
-            if module.__dict__.get("torch") is not torch:
-                raise PatchError(f"patch 'cpu_backend_moe': {name}.torch is not the torch module")
-            self.patches.replace(module, "torch", cpu_torch)
+        cpu_backend_core.install(force=force)  # refuses a machine with CUDA unless forced
+        see_cpu_as_cuda(self.patches, MOE_MODULES_SEEING_CPU_AS_CUDA, CpuTorch())
         module_name, class_name, attribute = DISPATCHER
         dispatcher = importlib.import_module(module_name)
         if not hasattr(getattr(dispatcher, class_name), attribute):

@@ -11,14 +11,15 @@ reads.
 `install()` wraps `WrappedTorchNorm.__new__`: with `config.sequence_parallel` it builds the very norm
 megatron builds without it (megatron's own checks on the other options still run) and marks its
 parameters as `FusedLayerNorm` does; without sequence parallelism nothing changes. The class is patched
-in place, so every binding of it (`LNImpl` in the spec modules) sees the change.
+in place, so every binding of it (`LNImpl` in the spec modules) sees the change. Installs the core part
+first; on GPUs apex or Transformer Engine provide the norm and nothing of this applies.
 """
 from __future__ import annotations
 
 import importlib
 
+from . import cpu_backend_core
 from ._patching import MegatronPatch, PatchError
-from .cpu_backend_core import cuda_available
 
 NORM = ("megatron.core.transformer.torch_norm", "WrappedTorchNorm")
 
@@ -41,11 +42,7 @@ class SequenceParallelNormCpu(MegatronPatch):
     name = "cpu_backend_norm"
 
     def apply(self, force: bool = False) -> None:
-        if cuda_available() and not force:
-            raise PatchError(
-                "CUDA is available: the CPU backend is for machines without a GPU (apex or Transformer Engine "
-                "provide a sequence-parallel norm there); pass force=True to use it anyway"
-            )
+        cpu_backend_core.install(force=force)  # refuses a machine with CUDA (apex / TE norms there) unless forced
         module_name, class_name = NORM
         owner = getattr(importlib.import_module(module_name), class_name)
         original = owner.__dict__.get("__new__")
