@@ -3,7 +3,7 @@ megatron's own 1F1B.
 
 One spawned group of 4 ranks runs every scenario in turn; the parent compares the reports with torch.equal.
 - MoE (megatron-core's MoELayer: top-2 router with the auxiliary load-balancing loss, alltoall dispatcher,
-  local experts in a SequentialMLP) at PP=4 and at PP=2 x EP=2 (also with the allgather dispatcher), megatron
+  local experts in a SequentialMLP) at PP=4 (also 1F1B through the runtime) and at PP=2 x EP=2 (also with the allgather dispatcher), megatron
   DDP and three Adam steps: losses, gradients, parameters after the steps and the per-layer MoE metrics
   megatron's tracker collects.
 - ZB-V with MoE against a single-stage run of the same model (each replica a torch Adam of its own: no
@@ -129,7 +129,7 @@ def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES,
 
 
 CASES = [
-    *_cases("moe/pp4", Layout(pp=4), MOE),
+    *_cases("moe/pp4", Layout(pp=4), MOE, schedules=("1f1b",) + ZB_SCHEDULES),  # 1f1b: megatron's, through the runtime
     *_cases("moe/pp2xep2", Layout(pp=2, ep=2), MOE),
     *_cases("moe-allgather/pp2xep2", Layout(pp=2, ep=2), MOE_ALLGATHER, schedules=("zb-h1",)),
     Case("moe/pp1", Layout(), None, MOE, optimizer="local"),
@@ -164,6 +164,11 @@ def _expert_weights(report) -> set:
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_moe_losses_gradients_and_adam_steps_are_bit_identical_to_megatron_1f1b(reports, layout, schedule):
     _assert_identical(reports[f"moe/{layout}/{schedule}"], reports[f"moe/{layout}/megatron"])
+
+
+def test_moe_under_1f1b_through_the_runtime_is_bit_identical_to_megatrons_own(reports):
+    _assert_identical(reports["moe/pp4/1f1b"], reports["moe/pp4/megatron"])
+    assert not any(report["deferred"] for report in reports["moe/pp4/1f1b"])  # 1F1B runs BW: nothing deferred
 
 
 def test_moe_with_the_allgather_dispatcher_is_bit_identical_to_megatron_1f1b(reports):
