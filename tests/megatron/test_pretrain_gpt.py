@@ -52,11 +52,17 @@ DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimiz
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
+NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]  # the planner's heuristic alone: seconds less per plan
+# Mixture of experts (top-2 of 4, aux loss, alltoall, expert bias updated after each step) and sequence parallelism
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
+       "--disable-bias-linear --moe-router-score-function sigmoid --moe-router-enable-expert-bias").split()
+TP2PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+             "--num-layers", "4"]  # half the layers: SP's gathers and scatters make these the slowest runs on gloo
 
 
 def _runs(work: str) -> dict[str, list[str]]:
     """Every run of the 4-rank launch: label -> extra flags (in this order: the resume needs the save)."""
-    ckpt, dump, dump_v = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v"))
+    ckpt, dump, dump_v, dump_moe = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v", "dump-moe"))
     return {
         "pp4/megatron": PP4,
         "pp4/zb-auto": PP4 + ["--enable-zero-bubble", *TIMERS, *ILP, "--zero-bubble-dump-schedule", dump],
@@ -90,6 +96,11 @@ def _runs(work: str) -> dict[str, list[str]]:
         "dp2pp2/megatron/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP],
         "dp2pp2/zb-h1/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--pipeline-schedule", "zb-h1"],
         "dp2pp2/zb-auto/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--enable-zero-bubble", *ILP],
+        "pp4/moe/megatron": PP4 + MOE,
+        "pp4/moe/zb-auto": PP4 + MOE + ["--enable-zero-bubble", *TIMERS, *NO_ILP, "--zero-bubble-dump-schedule", dump_moe],
+        "tp2pp2/sp/megatron": TP2PP2_SP,
+        "tp2pp2/sp/zb-h1": TP2PP2_SP + ["--pipeline-schedule", "zb-h1"],
+        "tp2pp2/sp/zb-auto": TP2PP2_SP + ["--enable-zero-bubble", *NO_ILP],
         "dp2pp2/megatron/distributed": DISTRIBUTED,
         "dp2pp2/post-validation/distributed/overlap": DISTRIBUTED + OVERLAP + [
             "--overlap-param-gather", "--pipeline-schedule", "zb-auto", "--enable-optimizer-post-validation",
@@ -394,6 +405,36 @@ def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run)
     _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
 
 
+@pytest.mark.parametrize("run", ["zb-h1", "zb-auto"])
+def test_sequence_parallel_runs_print_the_losses_of_megatrons_1f1b_with_the_same_flags(runs, run):
+    _same_training(runs[f"tp2pp2/sp/{run}"], runs["tp2pp2/sp/megatron"])
+    assert validation_losses(runs[f"tp2pp2/sp/{run}"]) == validation_losses(runs["tp2pp2/sp/megatron"]) != []
+
+
+MOE_AUX_LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*? load_balancing_loss: ([0-9.E+-]+) \|")
+
+
+def test_moe_zb_auto_prints_megatrons_losses_and_moe_auxiliary_loss(runs):
+    _same_training(runs["pp4/moe/zb-auto"], runs["pp4/moe/megatron"])
+    assert validation_losses(runs["pp4/moe/zb-auto"]) == validation_losses(runs["pp4/moe/megatron"]) != []
+    aux = [dict(MOE_AUX_LOSS.findall(runs[label])) for label in ("pp4/moe/zb-auto", "pp4/moe/megatron")]
+    assert aux[0] == aux[1] and sorted(aux[1]) == [str(i) for i in range(1, ITERS + 1)]
+    assert len(set(aux[1].values())) > 1  # the load balance changes as the experts and their biases train
+
+
+def test_replanning_measures_the_moe_layers_like_any_other(runs, work_dir):
+    """Every stage's MoE layers: T_F, T_B and a deferred T_W measured, M_B and M_W in bytes, and a plan on them."""
+    from megatron.zero_bubble.schedules import Costs
+    from megatron.zero_bubble.schedules.schedule import Schedule
+
+    lines = SCHEDULE_LINE.findall(runs["pp4/moe/zb-auto"])
+    assert [(kind, schedule) for kind, schedule, _ in lines] == [("running", "zb-auto"), ("re-planned", "zb-auto")]
+    replanned = Schedule.from_json(open(os.path.join(work_dir, "dump-moe", "zb-auto-m8-iter5.json")).read())
+    costs = Costs.from_dict(replanned.info["costs"])
+    assert costs.memory_unit == "bytes" and len(costs.t_w) == 4
+    assert min(costs.t_f) > 0 and min(costs.t_b) > 0 and min(costs.t_w) > 0 and min(costs.m_w) > 0
+
+
 def test_save_then_load_resumes_a_zero_bubble_run_with_the_uninterrupted_losses(runs):
     resumed, uninterrupted = runs["pp4/zb-h1/resumed"], runs["pp4/zb-h1"]
     assert "successfully loaded checkpoint" in resumed and min(iteration_figures(resumed)) == 4
@@ -514,6 +555,19 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "timer window without the runtime": (PP4 + ["--pipeline-schedule", "1f1b", "--zero-bubble-pipeline-timers-end-iter", "3"],
                                          4, ["--zero-bubble-pipeline-timers-end-iter", "--enable-zb-runtime"]),
     "misspelled megatron flag": (["--num-layer", "8"], 1, ["unrecognized arguments: --num-layer 8", "--help"]),
+    "local experts with linear biases": (PP4 + ["--num-experts", "4"], 4, ["--num-experts", "--disable-bias-linear"]),
+    "grouped experts on CPU": (PP4 + MOE + ["--moe-grouped-gemm"], 4, ["--moe-grouped-gemm needs CUDA", "SequentialMLP"]),
+    "flex dispatcher on CPU": (PP4 + MOE + ["--moe-token-dispatcher-type", "flex"], 4,
+                               ["--moe-token-dispatcher-type flex needs CUDA", "alltoall"]),
+    "shared-expert overlap on CPU": (PP4 + MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
+                                     4, ["--moe-shared-expert-overlap needs CUDA", "drop"]),
+    "expert all-to-all overlap with the runtime": (PP4 + MOE + ["--enable-zero-bubble", "--overlap-moe-expert-parallel-comm"],
+                                                   4, ["--overlap-moe-expert-parallel-comm", "--enable-zero-bubble"]),
+    "post-validation with mixture of experts": (PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation"],
+                                                4, ["--num-experts", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
+    "mixture of experts and sequence parallelism, good flags": (
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+         "--pipeline-schedule", "zb-h1", *MOE], 4, None),
     "no zero-bubble flag": ([], 1, None),
     "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
 }
@@ -623,8 +677,8 @@ def test_paths_sizes_and_names_are_refused_before_megatron_is_imported(label, tm
 def test_every_run_of_this_file_passes_the_early_checks_and_they_create_the_directories(tmp_path, monkeypatch):
     for label, flags in _command_lines(str(tmp_path)).items():
         assert _early_refusal(flags, 4, monkeypatch) is None, label
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-v"]  # created, and empty: the write check cleans up
-    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-v"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-moe", "dump-v"]  # created, and empty: the write
+    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-moe", "dump-v"))  # check cleans up
 
 
 def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc: int) -> None:

@@ -286,15 +286,47 @@ def _is_number(text: str) -> bool:
         return False
 
 
+# MoE options that need CUDA (the CPU backend runs megatron's local experts: SequentialMLP, alltoall/allgather).
+MOE_CUDA_ONLY = {
+    "moe_grouped_gemm": "the grouped experts are Transformer Engine's TEGroupedMLP; on CPU the local experts run "
+                        "one after another (SequentialMLP)",
+    "moe_permute_fusion": "Transformer Engine's fused permutation kernels",
+    "moe_shared_expert_overlap": "it runs the shared experts beside the token dispatch on a CUDA stream",
+}
+
+
 def check_without_zero_bubble(args) -> None:
-    """Checks that apply to every run of the entry script (its own data, the CPU backend)."""
+    """Checks that apply to every run of the entry script (its own data, MoE, the CPU backend)."""
     check_input_files(args)
+    _check_local_experts(args)
     if _cuda_available():
         return
     if args.distributed_backend != "gloo":
         raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
     if args.transformer_impl == "transformer_engine":
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+    if not args.num_experts:
+        return
+    for name, why in MOE_CUDA_ONLY.items():
+        if getattr(args, name, False):
+            raise StartupRefusal(f"--{name.replace('_', '-')} needs CUDA ({why}); on CPU drop the flag")
+    if args.moe_token_dispatcher_type == "flex":
+        raise StartupRefusal("--moe-token-dispatcher-type flex needs CUDA (DeepEP / HybridEP); on CPU use alltoall "
+                             "or allgather")
+
+
+def _check_local_experts(args) -> None:
+    """megatron-core 0.19.2's local experts (SequentialMLP) with linear biases add the bias in place to the
+    output of their all-reduce, which over a single rank is their input returned as is: autograd refuses it at
+    the first forward, on any device, unless expert or expert-tensor parallelism makes the reduction explicit."""
+    if not args.num_experts or not args.add_bias_linear or args.transformer_impl != "local":
+        return
+    expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if args.expert_model_parallel_size == 1 and expert_tp == 1:
+        raise StartupRefusal(
+            "--num-experts with linear biases fails in megatron-core's local experts at --expert-model-parallel-size "
+            "1 and expert tensor parallel size 1 (an in-place bias add on an all-reduce over one rank); add "
+            "--disable-bias-linear")
 
 
 def _through_runtime(args, schedule: str) -> bool:
@@ -396,6 +428,8 @@ _NOT_WITH_THE_RUNTIME = {
                                                 "interleaved schedule",
     "use_megatron_fsdp": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
     "use_torch_fsdp2": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "overlap_moe_expert_parallel_comm": "it is megatron's own combined-1F1B schedule (one microbatch's expert "
+                                        "all-to-all overlapped with another's compute), which the runtime replaces",
 }
 
 
@@ -518,7 +552,9 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
         "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
         "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
-        "num_experts": "expert parameters reduce their statistics over other groups, which are not chained",
+        "num_experts": "expert parameters reduce their gradient statistics over another group (expert tensor x "
+                       "expert x pipeline parallel), which is not chained, and a replay would count the routers' "
+                       "tokens and metrics twice",
         "save_params_interval": "it would save speculative parameters",
         "qk_clip": "it changes weights after the step, which a rollback would not undo",
     }
