@@ -5,6 +5,7 @@ slow part); the parent compares the reports with torch.equal.
 """
 import dataclasses
 import functools
+import time
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ class Case:
     patch_only: bool = False  # install the linear patch but run megatron's schedule
     overlap: bool = False  # megatron DDP's overlapped gradient reduction, in small buckets
     distributed: bool = False  # with overlap: the distributed optimizer and overlapped parameter gathers
+    slow_first_stage_s: float = 0.0  # > 0: every F on pipeline rank 0 takes this much longer; passes are timed
 
 
 BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that their reductions can start apart
@@ -54,6 +56,14 @@ def _ddp_config(case: Case):
     return DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_ELEMENTS,
                                          use_distributed_optimizer=case.distributed,
                                          overlap_param_gather=case.distributed)
+
+
+def _slow_on_first_stage(seconds: float, data_iterator, model):
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_rank() == 0:
+        time.sleep(seconds)
+    return harness.gpt_forward_step(data_iterator, model)
 
 
 def _record_reductions(chunks: list, events: list) -> None:
@@ -90,6 +100,10 @@ def _run_case(case: Case) -> dict:
             optimizer = harness.make_optimizer(chunks, OptimizerConfig(
                 optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=case.distributed))
         events = []  # of the last step: passes of our executor, reductions megatron's DDP starts
+        forward_step = harness.gpt_forward_step
+        if case.slow_first_stage_s:
+            forward_step = functools.partial(_slow_on_first_stage, case.slow_first_stage_s)
+            executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb, seconds))
         if case.overlap:
             _record_reductions(chunks, events)
             if executor is not None:
@@ -101,7 +115,8 @@ def _run_case(case: Case) -> dict:
                 optimizer.zero_grad()
                 for chunk in chunks:
                     chunk.zero_grad_buffer()
-            step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_only=case.forward_only)
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_step_func=forward_step,
+                                                       forward_only=case.forward_only)
             losses.update({(step, k): v for k, v in step_losses.items()})
             grads = {} if case.forward_only else harness.full_grads(chunks)  # the last step's gradients
             if optimizer is not None:
@@ -149,6 +164,7 @@ CASES = [
     *[Case(f"pp2xdp2/{s or 'megatron'}/overlap/distributed", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
            distributed=True) for s in (None, "zb-h1", "zb-auto")],
     Case("pp1/megatron/adam", Layout(), None, 4, ddp=True, steps=3),
+    Case("pp2/zb-h1/timed", Layout(pp=2), "zb-h1", 4, slow_first_stage_s=0.2),
     Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True),
 ]
 
@@ -285,3 +301,14 @@ def test_the_overlap_test_sees_a_reduction_that_starts_before_the_last_w_pass_be
     rank0 = next(r for r in reports["pp2xdp2/zb-auto/overlap"] if r["pp_rank"] == 0)
     kinds = [e[1] for e in rank0["events"] if e[0] == "pass"]
     assert kinds[-3:] == ["B", "W", "W"]
+
+
+def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):
+    """Rank 0's forwards take 0.2 s longer, so rank 1 waits about that long for each activation: the time the
+    executor reports for rank 1's passes (what re-planning plans on) is its compute, not that wait."""
+    for report in reports["pp2/zb-h1/timed"]:
+        seconds = {op: max(e[4] for e in report["events"] if e[1] == op) for op in ("F", "B", "W")}
+        if report["pp_rank"] == 0:
+            assert seconds["F"] >= 0.2
+        else:
+            assert max(seconds.values()) < 0.1, seconds

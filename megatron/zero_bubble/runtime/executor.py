@@ -324,6 +324,7 @@ class _Iteration:
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
     outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
     handoff: dict = field(default_factory=dict)  # tensors crossing between two chunks of this rank (a V's turn)
+    received: dict = field(default_factory=dict)  # Message -> tensor, waited for before its pass (_await_inputs)
     started_chunks: set = field(default_factory=set)
     in_flight: int = 0
     stats: IterationStats = field(default_factory=IterationStats)
@@ -352,6 +353,7 @@ class _Iteration:
             else:
                 settle()  # no pass may run on weights that are not validated yet
                 self.transport.reap_sends()
+                self._await_inputs(item)
                 start = self._clock()
                 {Op.F: self.forward, Op.B: self.backward, Op.BW: self.backward, Op.W: self.weight}[item.op](item)
                 if self.executor.pass_timer is not None:
@@ -423,7 +425,8 @@ class _Iteration:
                 self.transport.wait_recv(item.msg)
         settle()
         self.transport.reap_sends(block=True)
-        for held in (self.outgoing, self.saved, self.handoff, self.forward_data_store, self.started_chunks):
+        for held in (self.outgoing, self.saved, self.handoff, self.received, self.forward_data_store,
+                     self.started_chunks):
             held.clear()
         self.total_num_tokens.zero_()
         self.in_flight = 0
@@ -445,9 +448,20 @@ class _Iteration:
         s.peak_in_flight = max(s.peak_in_flight, self.in_flight)
         s.peak_wgrad_bytes = max(s.peak_wgrad_bytes, sum(st.pending_bytes for st in self.stores))
 
+    def _await_inputs(self, p: Pass) -> None:
+        """Wait, before the pass's clock starts (measured costs are its compute alone), for the message it
+        consumes and, for a backward, for the send of its forward's output (freed before megatron's backward)."""
+        need = consumed(self.schedule, self.rank, p)
+        if need is not None:
+            self.received[need] = self.transport.wait_recv(need)
+        if p.op in (Op.B, Op.BW):
+            sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
+            if sent is not None:
+                self.transport.complete_send(sent)
+
     def _incoming(self, p: Pass, kind: str, vstage: int):
         need = consumed(self.schedule, self.rank, p)
-        return self.transport.wait_recv(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
+        return self.received.pop(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
 
     def _outgoing(self, p: Pass, kind: str, tensor, to_vstage: int, on_done=None) -> None:
         msg = produced(self.schedule, self.rank, p)
@@ -487,9 +501,6 @@ class _Iteration:
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         input_tensor, output = self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
-        if sent is not None:
-            self.transport.complete_send(sent)  # the output must be freed before megatron's custom_backward
         output_grad = None if vs == self.last_vstage else self._incoming(p, Kind.GRAD, vs)
         store = self.stores[p.chunk]
         last = p == self.last_backward[p.chunk]

@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from ..schedules.comm import produced
 from ..schedules.costs import Costs
 from ..schedules.ops import Kind, Op, facts
 from ..schedules.schedule import Pass, Schedule
@@ -183,9 +182,6 @@ class _EmulatedIteration(_Iteration):
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
-        if sent is not None:
-            self.transport.complete_send(sent)  # as training does: the output is freed before B
         if vs < self.last_vstage:
             self._incoming(p, Kind.GRAD, vs)
         if self.reduction is None:
@@ -324,7 +320,7 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
         flag = torch.zeros(1)
         for step in range(options.iterations):
             if step:  # a fresh iteration state, the same transport, clock and record
-                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, started_chunks=set(),
+                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, received={}, started_chunks=set(),
                                                 backward_finished=False)
                 if reduction is not None:
                     reduction.reset()
