@@ -162,11 +162,13 @@ def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> N
 # Data-parallel overlap (--dp-table): the p=8 row (6.2B, m=32) with the gradient reduction over 2 data-parallel
 # replicas modelled: a stage holds about 6.2B/8 parameters, bf16 gradients of 1.55 GB, and a ring all-reduce
 # over two replicas moves that much per rank, 62 ms at 25 GB/s (200 Gb/s InfiniBand). Megatron DDP's default
-# buckets (40M parameters) cut the first stage into about 19; we model 16 (4 layers x 4 linear weights per
-# stage), one bucket on the other stages as megatron-core 0.19 has it; "every stage" is a what-if.
+# buckets (40M parameters) cut a stage into about 19; we model 16 (4 layers x 4 linear weights per stage).
+# megatron-core 0.19 buckets the first stage only (one bucket on the others); under a split schedule the
+# runtime buckets every stage (patches/ddp_bucketing.py); both are shown for both schedules.
 DP_P, DP_M, DP_REDUCE_MS, DP_BUCKETS = 8, 32, 62.0, 16
 DP_SCHEDULES = {"1f1b": ("1f1b", None), "zb-auto": ("zb-auto", None)}
-DP_VARIANTS = {"no overlap": dict(overlap=False), "overlap": dict(overlap=True),
+DP_VARIANTS = {"no overlap": dict(overlap=False),
+               "overlap, first stage bucketed": dict(overlap=True, every_stage=False),
                "overlap, every stage bucketed": dict(overlap=True, every_stage=True)}
 
 

@@ -154,6 +154,8 @@ def test_the_result_walks_from_the_rank_of_the_last_virtual_stage_and_the_statis
         assert (result_in is None) == (rank == holder) and (result_out is None) == (rank == holder + step * (p - 1))
         if result_in is not None:
             assert (result_in.src, result_in.dst) == (before, rank)
+        if result_out is not None:
+            assert (result_out.src, result_out.dst) == (rank, after)
         stats_out = produced(schedule, rank, s)
         assert (stats_out is None) == (rank == holder)
         if stats_out is not None:

@@ -57,8 +57,9 @@ def test_several_iterations_with_the_synchronous_step_or_post_validation():
 
 def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_only_with_overlap():
     """Without overlap every bucket starts after the rank's last pass, so each rank waits the whole reduction;
-    with it, the first stage's buckets (megatron buckets only that stage) start as the last BW (1F1B) or the
-    layer-by-layer W tail (zb-auto, through the runtime's own WeightGradStore) completes their weights."""
+    with it, buckets start as the last BW (1F1B: megatron buckets only the first stage, the others reduce in
+    one bucket after their last pass) or the layer-by-layer W tail (zb-auto, through the runtime's own
+    WeightGradStore; every stage bucketed, as the runtime does) completes their weights."""
     costs = Costs.make(2, t_f=5.0, t_b=5.0, t_w=5.0)
     reduce_time = 20.0
     for name in ("1f1b", "zb-auto"):
@@ -68,9 +69,12 @@ def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_
         late = rehearse(schedule, costs, RehearsalOptions(data_parallel=DataParallel(reduce_time, overlap=False)))
         assert all(exposed >= reduce_time * 0.999 for exposed in late["dp_exposed_per_rank"])
         early = rehearse(schedule, costs, RehearsalOptions(data_parallel=DataParallel(reduce_time, overlap=True)))
-        # one bucket on the other stages: it starts as their last pass completes its last weight
         first, others = early["dp_exposed_per_rank"][0], early["dp_exposed_per_rank"][1:]
-        assert first < reduce_time * 0.9 and all(exposed >= reduce_time * 0.98 for exposed in others), name
+        assert first < reduce_time * 0.9, name
+        if name == "1f1b":  # one bucket on the other stages: it starts as their last pass completes its last weight
+            assert all(exposed >= reduce_time * 0.98 for exposed in others)
+        else:
+            assert all(exposed < reduce_time * 0.9 for exposed in others)
         assert early["dp_exposed"] >= 0.0 and [p["op"] for p in early["per_rank"][0]["passes"]] == [
             p.op for p in schedule.ranks[0]]
 

@@ -40,10 +40,11 @@ def _add_rehearse(commands, common, one_schedule_options) -> None:
                           "the costs' unit; buckets start as megatron's --overlap-grad-reduce starts them "
                           "(default 0: no data parallelism)")
     sub.add_argument("--dp-buckets", type=int, default=8,
-                     help="with --dp-reduce: gradient buckets on the first pipeline stage, one on the others as in "
-                          "megatron-core 0.19 (default 8)")
-    sub.add_argument("--dp-buckets-every-stage", action="store_true",
-                     help="with --dp-reduce: --dp-buckets on every stage (a what-if: megatron buckets the first only)")
+                     help="with --dp-reduce: gradient buckets of a bucketed stage (default 8)")
+    sub.add_argument("--dp-bucketed-stages", choices=("training", "first", "every"), default="training",
+                     help="with --dp-reduce: which stages have --dp-buckets, the others one: as in training "
+                          "(every stage under a split schedule, the first only otherwise, as megatron) or forced "
+                          "(default %(default)s)")
     sub.add_argument("--no-dp-overlap", action="store_true",
                      help="with --dp-reduce: every bucket starts after the rank's last pass (no --overlap-grad-reduce)")
     sub.set_defaults(run=cmd_rehearse)
@@ -65,8 +66,9 @@ def cmd_rehearse(args) -> None:
     message_kib = DEFAULT_MESSAGE_KIB if args.message_kib is None else args.message_kib
     data_parallel = None
     if args.dp_reduce > 0:
+        every_stage = {"training": None, "first": False, "every": True}[args.dp_bucketed_stages]
         data_parallel = DataParallel(reduce_time=args.dp_reduce, overlap=not args.no_dp_overlap,
-                                     buckets=args.dp_buckets, every_stage=args.dp_buckets_every_stage)
+                                     buckets=args.dp_buckets, every_stage=every_stage)
     report = rehearse(schedule, costs, RehearsalOptions(
         unit_ms=args.time_unit_ms, message_kib=message_kib, iterations=args.iterations,
         optimizer_step=args.optimizer_step, allreduce=args.allreduce, data_parallel=data_parallel))

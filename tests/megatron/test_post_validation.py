@@ -90,8 +90,10 @@ def _run_case(case: Case) -> dict:
     executor = None
     if ours:
         executor = PipelineExecutor(lambda m: _schedule(case.schedule, case.layout.pp, m, case.post_validation))
-    session = ZeroBubbleSession(executor, split_backward=ours and case.schedule != "interleaved-1f1b",
-                                v_stages=case.layout.pp if v_shape else None)
+    split = ours and case.schedule != "interleaved-1f1b"
+    # every stage bucketed on both sides: the distributed optimizer's shards (and its norm's sum) follow buckets
+    session = ZeroBubbleSession(executor, split_backward=split, v_stages=case.layout.pp if v_shape else None,
+                                bucket_every_stage=case.overlap)
     if v_shape:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
     with session:

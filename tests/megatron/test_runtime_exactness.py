@@ -43,6 +43,7 @@ class Case:
     overlap: bool = False  # megatron DDP's overlapped gradient reduction, in small buckets
     distributed: bool = False  # with overlap: the distributed optimizer and overlapped parameter gathers
     slow_first_stage_s: float = 0.0  # > 0: every F on pipeline rank 0 takes this much longer; passes are timed
+    every_stage_buckets: bool = False  # patches/ddp_bucketing.py (with the distributed optimizer it moves shards)
 
 
 BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that their reductions can start apart
@@ -88,7 +89,9 @@ def _run_case(case: Case) -> dict:
     v_stages = case.layout.pp if case.schedule in V_SCHEDULES else None
     if v_stages is not None:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
-    with ZeroBubbleSession(executor, split_backward=case.schedule is not None or case.patch_only, v_stages=v_stages):
+    split = case.schedule is not None or case.patch_only
+    with ZeroBubbleSession(executor, split_backward=split, v_stages=v_stages,
+                           bucket_every_stage=case.every_stage_buckets):
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
         if case.ddp:
@@ -159,13 +162,15 @@ CASES = [
     *[Case(f"pp4/{s}", Layout(pp=4, vpp=2), s, 8, spec=SPEC8) for s in V_SCHEDULES],
     # megatron DDP's overlapped reduction (and, distributed, overlapped parameter gathers): three Adam steps, the
     # first of which megatron never overlaps (it learns each bucket's parameters then)
-    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True)
-      for s in (None,) + ZB_SCHEDULES],
+    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
+           every_stage_buckets=s is not None) for s in (None,) + ZB_SCHEDULES],
+    # the same buckets on both sides: the distributed optimizer's shards follow them
     *[Case(f"pp2xdp2/{s or 'megatron'}/overlap/distributed", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
-           distributed=True) for s in (None, "zb-h1", "zb-auto")],
+           distributed=True, every_stage_buckets=True) for s in (None, "zb-h1", "zb-auto")],
     Case("pp1/megatron/adam", Layout(), None, 4, ddp=True, steps=3),
     Case("pp2/zb-h1/timed", Layout(pp=2), "zb-h1", 4, slow_first_stage_s=0.2),
-    Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True),
+    Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True,
+         every_stage_buckets=True),
 ]
 
 
@@ -278,8 +283,8 @@ def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(r
 def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(reports, label):
     """In an iteration after the first (megatron learns each bucket's parameters in the first): every bucket
     group's reduction starts exactly once, and the first one before the rank's last W pass ended (it fails if
-    every reduction starts after the passes). Megatron buckets the first pipeline stage only; there, with
-    several W passes after the last B, the first reduction starts before the last W pass begins."""
+    every reduction starts after the passes). Every stage is bucketed (patches/ddp_bucketing.py); with several
+    W passes after a chunk's last B, the first reduction starts before the last W pass begins."""
     for report in reports[label]:
         events = report["events"]
         reductions = [e[1:] for e in events if e[0] == "reduce"]
@@ -289,18 +294,25 @@ def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(repo
         first_reduction = min(i for i, e in enumerate(events) if e[0] == "reduce")
         assert first_reduction < last_w, (report["pp_rank"], events)
         w_after_last_b = [i for i in passes if i > max(j for j in passes if events[j][1] == "B") and events[i][1] == "W"]
-        if report["pp_rank"] == 0 and len(w_after_last_b) > 1:
-            assert sum(report["bucket_groups"]) > 2
+        assert report["bucket_groups"][0] > 2  # the first chunk is bucketed on every stage
+        if len(w_after_last_b) > 1:
             before_last_w = max(i for i in passes if i < last_w)
             assert first_reduction < before_last_w, (report["pp_rank"], events)
 
 
-def test_the_overlap_test_sees_a_reduction_that_starts_before_the_last_w_pass_begins(reports):
-    """zb-auto's first stage runs two W passes after its last B (the layer-by-layer tail), so the stronger check
-    of the test above runs there."""
-    rank0 = next(r for r in reports["pp2xdp2/zb-auto/overlap"] if r["pp_rank"] == 0)
-    kinds = [e[1] for e in rank0["events"] if e[0] == "pass"]
-    assert kinds[-3:] == ["B", "W", "W"]
+def test_the_overlap_test_sees_reductions_that_start_before_the_last_w_pass_begins(reports):
+    """zb-auto runs two W passes after the last B on the first stage and four on the second (the layer-by-layer
+    tail), so the stronger check of the test above runs on both."""
+    for report in reports["pp2xdp2/zb-auto/overlap"]:
+        kinds = [e[1] for e in report["events"] if e[0] == "pass"]
+        assert kinds[-3:] == ["B", "W", "W"] if report["pp_rank"] == 0 else kinds[-5:] == ["B", "W", "W", "W", "W"]
+
+
+def test_megatron_alone_buckets_only_the_first_stage(reports):
+    """What patches/ddp_bucketing.py changes: without it (megatron's own schedule) the second stage reduces in
+    one bucket."""
+    buckets = {r["pp_rank"]: r["bucket_groups"][0] for r in reports["pp2xdp2/megatron/overlap"]}
+    assert buckets[0] > 2 and buckets[1] == 1
 
 
 def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):

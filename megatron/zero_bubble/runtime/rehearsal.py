@@ -14,9 +14,10 @@ schedule's time unit; one unit lasts `unit_ms` milliseconds of wall time.
 Data parallelism (`DataParallel`): the gradient reduction over data-parallel replicas, modelled on one
 pipeline (the replicas run the same plan): each chunk's weights are `layers` pieces, B/BW/W passes wait
 for them piece by piece, and the runtime's own WeightGradStore defers, re-cuts (the layer-by-layer tail)
-and reports them as the executor does in training. Megatron DDP's buckets are modelled: several on the
-first pipeline stage, one elsewhere (megatron-core 0.19's policy); with overlap a bucket's reduction
-starts when its last weight is complete, without it they all start after the rank's last pass. Reductions
+and reports them as the executor does in training. Megatron DDP's buckets are modelled as training has
+them: several on the first pipeline stage and one elsewhere (megatron-core 0.19), several on every stage
+under a split schedule (patches/ddp_bucketing.py); with overlap a bucket's reduction starts when its last
+weight is complete, without it they all start after the rank's last pass. Reductions
 run one after another on a modelled communication stream, each taking its share of `seconds`; the rank
 waits for the last at the end of its backward, and `dp_exposed` reports how long after its last pass.
 """
@@ -69,18 +70,21 @@ class DataParallel:
 
     reduce_time: float  # to reduce all of one rank's gradients
     overlap: bool = True  # megatron's --overlap-grad-reduce
-    buckets: int = 8  # bucket groups on the first pipeline stage (one on the others, as megatron has it)
-    every_stage: bool = False  # what if every stage had `buckets` (megatron-core 0.19 buckets the first only)
+    buckets: int = 8  # bucket groups of a bucketed stage
+    # Which stages have `buckets` (the others one): None as training has it (megatron buckets the first stage
+    # only; the runtime buckets every stage under a split schedule, patches/ddp_bucketing.py), or forced.
+    every_stage: bool | None = None
     layers: int = 8  # weights per chunk, in the order their gradients complete (the last layer's first)
 
 
 class _ModelledReduction:
     """One rank's gradient buckets and its communication stream, as megatron DDP with overlap_grad_reduce."""
 
-    def __init__(self, model: DataParallel, rank: int, chunks: int, unit_s: float):
+    def __init__(self, model: DataParallel, rank: int, chunks: int, unit_s: float, split_backward: bool):
         self.model, self.unit_s = model, unit_s
         self.weights = [[torch.nn.Parameter(torch.empty(1)) for _ in range(model.layers)] for _ in range(chunks)]
-        buckets_of_chunk = [model.buckets if (k == 0 and (rank == 0 or model.every_stage)) else 1 for k in range(chunks)]
+        every_stage = split_backward if model.every_stage is None else model.every_stage
+        buckets_of_chunk = [model.buckets if (k == 0 and (rank == 0 or every_stage)) else 1 for k in range(chunks)]
         self.bucket_of = {id(w): (k, i * buckets_of_chunk[k] // model.layers)
                           for k, weights in enumerate(self.weights) for i, w in enumerate(weights)}
         self.size = {}
@@ -301,7 +305,8 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
         unit_s = options.unit_ms / 1e3
         reduction, stores = None, []
         if options.data_parallel is not None:
-            reduction = _ModelledReduction(options.data_parallel, rank, schedule.chunks, unit_s)
+            reduction = _ModelledReduction(options.data_parallel, rank, schedule.chunks, unit_s,
+                                           schedule.uses_split_backward())
             stores = [WeightGradStore(f"chunk {k}", grad_ready=reduction.ready if options.data_parallel.overlap else None)
                       for k in range(schedule.chunks)]
         # Everyone starts at one agreed instant (CLOCK_MONOTONIC is shared by the processes of a machine).

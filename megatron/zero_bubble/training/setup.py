@@ -105,7 +105,10 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
                       "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
     v_stages = args.pipeline_model_parallel_size if layout_of(options.schedule) == "v" else None
-    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages) as session:
+    # Every stage ends with W passes whose buckets can start early (megatron buckets the first stage only).
+    bucket_every_stage = split_backward and args.overlap_grad_reduce
+    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages,
+                           bucket_every_stage=bucket_every_stage) as session:
         if options.post_validation:
             session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback, settings))
         yield pipeline
