@@ -145,17 +145,6 @@ def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
-def _assert_identical(ours, reference, replicas=None):
-    ours, reference = harness.merge_by_dp_rank(ours), harness.merge_by_dp_rank(reference)
-    for dp in replicas or reference:
-        assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
-        assert ours[dp]["grads"].keys() == reference[dp]["grads"].keys()
-        for name, grad in reference[dp]["grads"].items():
-            assert torch.equal(ours[dp]["grads"][name], grad), f"gradient of {name} differs"
-        for name, value in reference[dp]["params"].items():
-            assert torch.equal(ours[dp]["params"][name], value), f"parameter {name} differs"
-
-
 def _expert_weights(report) -> set:
     return {name for name in report["grads"] if ".mlp.experts." in name and name.endswith("weight")}
 
@@ -163,16 +152,16 @@ def _expert_weights(report) -> set:
 @pytest.mark.parametrize("layout", ["pp4", "pp2xep2"])
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_moe_losses_gradients_and_adam_steps_are_bit_identical_to_megatron_1f1b(reports, layout, schedule):
-    _assert_identical(reports[f"moe/{layout}/{schedule}"], reports[f"moe/{layout}/megatron"])
+    harness.assert_identical(reports[f"moe/{layout}/{schedule}"], reports[f"moe/{layout}/megatron"])
 
 
 def test_moe_under_1f1b_through_the_runtime_is_bit_identical_to_megatrons_own(reports):
-    _assert_identical(reports["moe/pp4/1f1b"], reports["moe/pp4/megatron"])
+    harness.assert_identical(reports["moe/pp4/1f1b"], reports["moe/pp4/megatron"])
     assert not any(report["deferred"] for report in reports["moe/pp4/1f1b"])  # 1F1B runs BW: nothing deferred
 
 
 def test_moe_with_the_allgather_dispatcher_is_bit_identical_to_megatron_1f1b(reports):
-    _assert_identical(reports["moe-allgather/pp2xep2/zb-h1"], reports["moe-allgather/pp2xep2/megatron"])
+    harness.assert_identical(reports["moe-allgather/pp2xep2/zb-h1"], reports["moe-allgather/pp2xep2/megatron"])
 
 
 def test_expert_parallel_ranks_hold_different_experts_under_global_names(reports):
@@ -200,7 +189,7 @@ def test_per_layer_moe_metrics_equal_those_under_megatron_1f1b(reports, label):
 
 
 def test_moe_zb_v_is_bit_identical_to_a_single_stage_run(reports):
-    _assert_identical(reports["moe/pp2xdp2/zb-v"], reports["moe/pp1"], replicas=[0, 1])
+    harness.assert_identical(reports["moe/pp2xdp2/zb-v"], reports["moe/pp1"], replicas=[0, 1])
     metrics = {r["pp_rank"]: r["moe_metric"] for r in reports["moe/pp2xdp2/zb-v"] if r["dp_rank"] == 0}
     reference = next(r["moe_metric"] for r in reports["moe/pp1"] if r["dp_rank"] == 0)
     assert torch.equal(metrics[0] + metrics[1], reference)  # each layer's loss recorded once, on its rank
@@ -208,11 +197,11 @@ def test_moe_zb_v_is_bit_identical_to_a_single_stage_run(reports):
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-auto"])
 def test_sequence_parallel_tp2_pp2_is_bit_identical_to_megatron_1f1b(reports, schedule):
-    _assert_identical(reports[f"sp/tp2xpp2/{schedule}"], reports["sp/tp2xpp2/megatron"])
+    harness.assert_identical(reports[f"sp/tp2xpp2/{schedule}"], reports["sp/tp2xpp2/megatron"])
 
 
 def test_moe_with_sequence_parallel_tp2_pp2_is_bit_identical_to_megatron_1f1b(reports):
-    _assert_identical(reports["moe-sp/tp2xpp2/zb-h1"], reports["moe-sp/tp2xpp2/megatron"])
+    harness.assert_identical(reports["moe-sp/tp2xpp2/zb-h1"], reports["moe-sp/tp2xpp2/megatron"])
 
 
 def test_sequence_parallel_trains_the_same_model_as_without_it(reports):

@@ -229,32 +229,21 @@ def _max_ulps(ours, reference) -> float:
     return max(_ulps_at_scale(ours[dp]["params"][n], p) for dp in reference for n, p in reference[dp]["params"].items())
 
 
-def _assert_identical(ours, reference, losses=True):
-    ours, reference = _merged(ours), _merged(reference)
-    assert ours.keys() == reference.keys()
-    for dp in reference:
-        if losses:
-            assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
-        assert ours[dp]["params"].keys() == reference[dp]["params"].keys()
-        for name, value in reference[dp]["params"].items():
-            assert torch.equal(ours[dp]["params"][name], value), f"parameter {name} differs"
-
-
 @pytest.mark.parametrize("layout", ["pp4", "pp2", "tp2xpp2"])
 def test_without_inf_or_clipping_parameters_are_bit_identical_to_the_synchronous_step(reports, layout):
-    _assert_identical(reports[f"{layout}/pv"], reports[f"{layout}/sync"])
+    harness.assert_identical(reports[f"{layout}/pv"], reports[f"{layout}/sync"])
     assert all(r["rollbacks"] == 0 for r in reports[f"{layout}/pv"])
 
 
 def test_with_the_distributed_optimizer_an_injected_inf_skips_the_step_everywhere(reports):
     """The inf is on stage 1 of PP=2 x DP=2: stage 0 had stepped its shards and gathered them, undoes that
     (restore, gather again), and the parameters equal the synchronous run that skipped the step."""
-    _assert_identical(reports["pp2/distributed/pv/inf"], reports["pp2/distributed/sync/inf"])
+    harness.assert_identical(reports["pp2/distributed/pv/inf"], reports["pp2/distributed/sync/inf"])
     assert sorted(r["rollbacks"] for r in reports["pp2/distributed/pv/inf"]) == [0, 0, 1, 1]
 
 
 def test_an_injected_inf_skips_the_step_on_every_stage_with_exact_rollback(reports):
-    _assert_identical(reports["pp4/pv/inf/exact"], reports["pp4/sync/inf"])
+    harness.assert_identical(reports["pp4/pv/inf/exact"], reports["pp4/sync/inf"])
     by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/inf/exact"]}
     assert by_stage[0]["rollbacks"] == 1  # stage 0 had stepped before the inf on stage 1 was known
     assert all(by_stage[s]["rollbacks"] == 0 for s in (1, 2, 3))
@@ -278,7 +267,7 @@ def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
 ])
 def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
-    _assert_identical(reports[label], reports[reference])
+    harness.assert_identical(reports[label], reports[reference])
     for r in reports[label]:
         outcomes = r["outcomes"]
         assert any(o["clipped"] for o in outcomes) and all(o["replay"] == o["clipped"] for o in outcomes)

@@ -179,46 +179,23 @@ def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
-def _merged(per_rank):
-    """Per data-parallel replica: losses (from the last stage) and full grads/params of every parameter."""
-    merged = {}
-    for r in per_rank:
-        replica = merged.setdefault(r["dp_rank"], {"losses": {}, "grads": {}, "params": {}})
-        for key in ("losses", "grads", "params"):
-            replica[key].update(r[key])
-    return merged
-
-
-def _assert_identical(ours, reference, replicas=None):
-    ours, reference = _merged(ours), _merged(reference)
-    if replicas is None:
-        assert ours.keys() == reference.keys()
-    for dp in replicas or reference:
-        assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
-        assert ours[dp]["grads"].keys() == reference[dp]["grads"].keys()
-        for name, grad in reference[dp]["grads"].items():
-            assert torch.equal(ours[dp]["grads"][name], grad), f"gradient of {name} differs"
-        for name, value in reference[dp]["params"].items():
-            assert torch.equal(ours[dp]["params"][name], value), f"parameter {name} differs"
-
-
 @pytest.mark.parametrize("schedule", ("1f1b",) + ZB_SCHEDULES)
 def test_pp4_gradients_and_losses_are_bit_identical_to_megatron_1f1b(reports, schedule):
-    _assert_identical(reports[f"pp4/{schedule}"], reports["pp4/megatron"])
+    harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp4/megatron"])
 
 
 def test_fewer_microbatches_than_stages_is_bit_identical(reports):
-    _assert_identical(reports["pp4/zb-h1/m3"], reports["pp4/megatron/m3"])
+    harness.assert_identical(reports["pp4/zb-h1/m3"], reports["pp4/megatron/m3"])
 
 
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_dp2_pp2_with_megatron_ddp_and_three_adam_steps_is_bit_identical(reports, schedule):
-    _assert_identical(reports[f"pp2xdp2/{schedule}"], reports["pp2xdp2/megatron"])
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}"], reports["pp2xdp2/megatron"])
 
 
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_tp2_pp2_is_bit_identical(reports, schedule):
-    _assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
+    harness.assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
 
 
 @pytest.mark.parametrize(
@@ -242,40 +219,40 @@ def test_measured_peak_activations_equal_the_planners_prediction(reports, label)
 
 
 def test_linear_patch_without_a_zero_bubble_schedule_changes_nothing(reports):
-    _assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
+    harness.assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
 
 
 def test_forward_only_evaluation_gives_megatrons_losses(reports):
-    ours, reference = _merged(reports["pp4/zb-h2/eval"]), _merged(reports["pp4/megatron/eval"])
+    ours, reference = (harness.merge_by_dp_rank(reports[label]) for label in ("pp4/zb-h2/eval", "pp4/megatron/eval"))
     assert ours[0]["losses"] == reference[0]["losses"] and len(reference[0]["losses"]) == 8
 
 
 def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(reports):
-    _assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
+    harness.assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
 
 
 def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
-    _assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
+    harness.assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
 
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedules_on_four_ranks_are_bit_identical_to_a_single_stage_run(reports, schedule):
-    _assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
+    harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
 
 
 @pytest.mark.parametrize("schedule", ("megatron",) + ZB_SCHEDULES)
 def test_overlapped_gradient_reduction_is_bit_identical_to_megatrons(reports, schedule):
-    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron/overlap"])
-    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron"])  # overlap changes nothing
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron/overlap"])
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron"])  # overlap changes nothing
 
 
 @pytest.mark.parametrize("schedule", ("zb-h1", "zb-auto"))
 def test_overlapped_reduction_and_parameter_gathers_with_the_distributed_optimizer_are_bit_identical(reports, schedule):
-    _assert_identical(reports[f"pp2xdp2/{schedule}/overlap/distributed"], reports["pp2xdp2/megatron/overlap/distributed"])
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap/distributed"], reports["pp2xdp2/megatron/overlap/distributed"])
 
 
 def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(reports):
-    _assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
+    harness.assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
 
 
 @pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
