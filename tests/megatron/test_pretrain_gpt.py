@@ -93,7 +93,6 @@ def _runs(work: str) -> dict[str, list[str]]:
         **{f"pp4/post-validation/{precision}": PP4 + PV_MODEL + flags + ROLLBACK[precision] + [
             "--pipeline-schedule", "zb-h2", "--enable-optimizer-post-validation"]
            for precision, flags in PRECISIONS.items()},
-        "dp2pp2/megatron/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP],
         "dp2pp2/zb-h1/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--pipeline-schedule", "zb-h1"],
         "dp2pp2/zb-auto/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--enable-zero-bubble", *ILP],
         "pp4/moe/megatron": PP4 + MOE,
@@ -215,7 +214,7 @@ def runs(work_dir, side_launches) -> dict[str, str]:
     plan = os.path.join(work_dir, "runs.json")
     with open(plan, "w") as f:
         json.dump({"runs": _command_lines(work_dir), "out": work_dir}, f)
-    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=600)
+    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=900)
     logs = {}
     for label in _runs(work_dir):
         parts = []
@@ -386,7 +385,7 @@ def test_optimizer_post_validation_with_the_distributed_optimizer_prints_megatro
         runs["dp2pp2/megatron/distributed"]) != []
 
 
-@pytest.mark.parametrize("run", ["dp2pp2/megatron/overlap", "dp2pp2/zb-h1/overlap", "dp2pp2/zb-auto/overlap"])
+@pytest.mark.parametrize("run", ["dp2pp2/zb-h1/overlap", "dp2pp2/zb-auto/overlap"])
 def test_overlapped_gradient_reduction_prints_the_losses_of_megatrons_1f1b(runs, run):
     _same_training(runs[run], runs["dp2pp2/megatron"])
     assert validation_losses(runs[run]) == validation_losses(runs["dp2pp2/megatron"]) != []
