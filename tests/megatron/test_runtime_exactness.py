@@ -67,6 +67,14 @@ def _slow_on_first_stage(seconds: float, data_iterator, model):
     return harness.gpt_forward_step(data_iterator, model)
 
 
+def _recorded(function, events: list, event: tuple):
+    def call(*args, **kwargs):
+        events.append(event)
+        return function(*args, **kwargs)
+
+    return call
+
+
 def _record_reductions(chunks: list, events: list) -> None:
     """Log ("reduce", chunk, bucket group) each time megatron DDP starts a bucket group's gradient reduction."""
     for k, chunk in enumerate(chunks):
@@ -107,6 +115,9 @@ def _run_case(case: Case) -> dict:
         if case.slow_first_stage_s:
             forward_step = functools.partial(_slow_on_first_stage, case.slow_first_stage_s)
             executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb, seconds))
+        if case.overlap and len(chunks) > 1 and case.distributed:  # as megatron.training does (align_param_gather)
+            chunks[0].config.param_sync_func = [_recorded(chunk.start_param_sync, events, ("param sync", k))
+                                                for k, chunk in enumerate(chunks)]
         if case.overlap:
             _record_reductions(chunks, events)
             if executor is not None:
@@ -171,6 +182,8 @@ CASES = [
     Case("pp2/zb-h1/timed", Layout(pp=2), "zb-h1", 4, slow_first_stage_s=0.2),
     Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True,
          every_stage_buckets=True),
+    Case("pp2xdp2/zb-v/overlap/distributed", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True,
+         distributed=True, every_stage_buckets=True),
 ]
 
 
@@ -253,6 +266,15 @@ def test_overlapped_reduction_and_parameter_gathers_with_the_distributed_optimiz
 
 def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(reports):
     harness.assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
+
+
+def test_zb_v_with_the_distributed_optimizer_starts_each_chunks_parameter_gathers_and_keeps_the_parameters(reports):
+    """Two chunks per rank: megatron.training hands the schedule one param_sync_func per chunk (aligned gathers),
+    which the executor calls as an iteration begins. Parameters and losses as without the distributed optimizer
+    (a rank's gradient buffer holds reduced values only in its shards, so gradients are not compared)."""
+    harness.assert_identical(reports["pp2xdp2/zb-v/overlap/distributed"], reports["pp2xdp2/zb-v/overlap"], grads=False)
+    for report in reports["pp2xdp2/zb-v/overlap/distributed"]:
+        assert report["events"][:2] == [("param sync", 0), ("param sync", 1)]  # before the iteration's first pass
 
 
 @pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
