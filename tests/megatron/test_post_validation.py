@@ -363,3 +363,40 @@ def test_moe_with_clipping_and_exact_rollback_is_bit_identical_including_router_
         assert not [c for c in mine["collectives"] if len({stage_of[x] for x in c[1]}) > 1]  # none spans stages
     assert sum(r["rollbacks"] for r in ours) > 0
 
+
+def test_moe_metrics_wait_for_the_printed_iterations_and_are_reported_with_each_iterations_values():
+    """Under post-validation, megatron's training_log reports the MoE metrics (an all-reduce over the pipeline
+    ranks) only at the iterations it prints and at the end of training: the iterations in between wait, then
+    are reported in turn with their own values and arguments, as megatron would have reported them."""
+    from types import SimpleNamespace
+
+    from megatron.zero_bubble.patches.post_validation_training import IntervalMoEReports
+
+    class Tracker:  # megatron's MoEMetricsTracker as training_log uses it
+        def __init__(self):
+            self.metrics, self.reported = {"loss": SimpleNamespace(values=torch.zeros(2))}, []
+
+        def report(self, iteration):  # megatron's: all-reduce, accumulate, clear
+            self.reported.append((iteration, {name: e.values.tolist() for name, e in self.metrics.items()}))
+            self.clear()
+            return f"line {iteration}"
+
+        def clear(self):
+            for entry in self.metrics.values():
+                entry.values.zero_()
+
+    tracker = Tracker()
+    reports = IntervalMoEReports(lambda: tracker)
+    for iteration, printing, reported in ((1, True, [1]), (2, False, [1]), (3, False, [1]), (4, True, [1, 2, 3, 4]),
+                                          (5, False, [1, 2, 3, 4])):
+        tracker.metrics["loss"].values += iteration
+        if iteration == 3:  # a metric first recorded now held zeros at iteration 2
+            tracker.metrics["z_loss"] = SimpleNamespace(values=torch.full((2,), 0.5))
+        reports.printing = printing
+        assert reports.report(iteration=iteration) == (f"line {iteration}" if printing else "")
+        assert [i for i, _ in tracker.reported] == reported  # no reduction at the iterations that do not print
+    reports.clear()  # what training_log does not wrap goes to megatron's tracker
+    reports.catch_up()  # the end of training
+    assert tracker.reported == [(1, {"loss": [1, 1]}), (2, {"loss": [2, 2], "z_loss": [0, 0]}),
+                                (3, {"loss": [3, 3], "z_loss": [0.5, 0.5]}), (4, {"loss": [4, 4], "z_loss": [0, 0]}),
+                                (5, {"loss": [5, 5], "z_loss": [0, 0]})]
