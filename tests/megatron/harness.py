@@ -63,6 +63,7 @@ class ModelSpec:
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 0.0
     moe_token_dispatcher_type: str = "alltoall"
+    moe_options: tuple = ()  # further TransformerConfig MoE settings as (name, value); a tuple value becomes a list
     sequence_parallel: bool = False  # with TP > 1 (the CPU backend supplies the norm that honours it)
 
     def config_overrides(self) -> dict:
@@ -72,6 +73,8 @@ class ModelSpec:
             overrides.update(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
                              moe_aux_loss_coeff=self.moe_aux_loss_coeff,
                              moe_token_dispatcher_type=self.moe_token_dispatcher_type)
+            overrides.update({name: list(value) if isinstance(value, tuple) else value
+                              for name, value in self.moe_options})
         return overrides
 
 

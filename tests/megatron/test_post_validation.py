@@ -1,8 +1,8 @@
 """Optimizer post-validation on megatron-core (CPU, gloo): the same parameters as the synchronous step.
 
-One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP=2 x PP=2): several
-iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B schedule and
-synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
+One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP=2 x PP=2; MoE at PP=4 and
+PP=2 x EP=2): several iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B
+schedule and synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
 """
 import dataclasses
 import functools
@@ -37,6 +37,7 @@ class Case:
     spec: ModelSpec = SPEC
     schedule: str = "zb-h1"  # with post-validation; the synchronous reference is megatron's own where it has one
     overlap: bool = False  # megatron DDP's overlapped reduction (and, distributed, parameter gathers), small buckets
+    shard_data: bool = False  # data-parallel replicas train on different microbatches (else all on the same)
 
 
 V_SCHEDULES = ("zb-v", "v-half")  # megatron has no V: their synchronous reference is our executor's
@@ -108,7 +109,7 @@ def _train(case: Case, session) -> dict:
     from megatron.zero_bubble.runtime.post_validation import PostValidation
     from megatron.zero_bubble.schedules.planners import layout_of
 
-    harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
+    harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=case.distributed, overlap_grad_reduce=case.overlap,
         overlap_param_gather=case.overlap and case.distributed, bucket_size=12_000 if case.overlap else None)
@@ -125,8 +126,9 @@ def _train(case: Case, session) -> dict:
         controller = PostValidation.for_optimizer(optimizer, exact=case.exact, layout=layout_of(case.schedule),
                                                   chunks=len(chunks))
         session.attach_post_validation(controller, chunks)
-    losses, step_collectives, outcomes = {}, [], []
+    losses, step_collectives, outcomes, grad_norms = {}, [], [], []
     m = case.microbatches
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     for it in range(case.iterations):
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -138,7 +140,8 @@ def _train(case: Case, session) -> dict:
             config.finalize_model_grads_func = functools.partial(_finalize_then_inject_inf, finalize, chunks)
         originals = _record_collectives(step_collectives)  # the S pass takes the statistics in there
         try:
-            step_losses = harness.run_forward_backward(chunks, case.spec, m, it * m)
+            first = (it * dp_size + dp_rank) * m if case.shard_data else it * m
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, first)
         finally:
             config.finalize_model_grads_func = finalize
             _restore(originals)
@@ -149,7 +152,7 @@ def _train(case: Case, session) -> dict:
             continue  # the synchronous reference skips this step
         originals = _record_collectives(step_collectives)
         try:
-            optimizer.step()
+            grad_norms.append(optimizer.step()[1])
         finally:
             _restore(originals)
     if controller is not None:
@@ -160,14 +163,35 @@ def _train(case: Case, session) -> dict:
     tied = None
     if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
         tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
-    return {"pp_rank": stage, "dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "grads": {}, "tied": tied,
+    return {"pp_rank": stage, "dp_rank": dp_rank, "losses": losses, "grads": {}, "tied": tied,
             "params": harness.full_params(chunks), "collectives": step_collectives,
-            "stage_of_rank": stage_of_rank, "outcomes": outcomes,
-            "rollbacks": controller.rollbacks if controller is not None else 0}
+            "stage_of_rank": stage_of_rank, "outcomes": outcomes, "grad_norms": grad_norms,
+            "rollbacks": controller.rollbacks if controller is not None else 0, **_moe_state(case, chunks),
+            "statistics_groups": [block.ranks for block in controller.blocks] if controller is not None else None}
+
+
+def _moe_state(case: Case, chunks) -> dict:
+    """The routers' expert biases and megatron's MoE metrics (never reported here, so summed over every
+    iteration): a replay that counted a router's tokens or losses twice would change them."""
+    if case.spec.num_experts is None:
+        return {}
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    biases = {f"{k}.{name}": b.detach().clone() for k, chunk in enumerate(chunks)
+              for name, b in chunk.named_buffers() if name.endswith("expert_bias")}
+    metrics = {name: entry.values.clone() for name, entry in get_moe_metrics_tracker().metrics.items()}
+    return {"expert_bias": biases, "moe_metrics": metrics}
 
 
 PP4, PP2, TP2, PP4X2 = Layout(pp=4), Layout(pp=2), Layout(tp=2, pp=2), Layout(pp=4, vpp=2)
+PP2XEP2 = Layout(pp=2, ep=2)
 EIGHT_LAYERS = ModelSpec(num_layers=8)  # two per rank for two chunks per rank
+# MoE with everything a router's forward accumulates: tokens per expert (expert bias, updated after each
+# iteration's last backward), the global aux loss's running counts, and three metrics megatron tracks
+MOE = ModelSpec(num_experts=4, moe_router_topk=2, add_bias_linear=False, moe_options=(
+    ("moe_router_load_balancing_type", ("aux_loss", "global_aux_loss")), ("moe_aux_loss_coeff", (0.01, 0.01)),
+    ("moe_z_loss_coeff", 1e-3), ("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True)))
+MOE_CASES = {"moe/pp4": (PP4, False), "moe/pp2xep2": (PP2XEP2, False), "moe/pp2xep2/distributed": (PP2XEP2, True)}
 CASES = [
     Case("pp4/sync", PP4, False),
     Case("pp4/pv", PP4, True),
@@ -207,6 +231,11 @@ CASES = [
     Case("pp4/interleaved/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="interleaved-1f1b"),
     Case("pp4/interleaved/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS,
          schedule="interleaved-1f1b"),
+    # MoE with clipping: at EP=2 two statistics groups (dense: tensor x pipeline; experts: expert tensor x expert
+    # x pipeline), one with the distributed optimizer; at EP=1 the experts are in the dense optimizer
+    *(Case(f"{label}/{kind}", layout, kind == "pv/clip/exact", clip=CLIP, exact=True, spec=MOE, iterations=3,
+           shard_data=True, distributed=distributed, microbatches=4)
+      for label, (layout, distributed) in MOE_CASES.items() for kind in ("sync/clip", "pv/clip/exact")),
 ]
 
 
@@ -311,3 +340,63 @@ def test_tied_embedding_copies_stay_identical_through_in_place_rollbacks(reports
     by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/clip/tied"]}
     assert by_stage[0]["rollbacks"] > 0
     assert torch.equal(by_stage[0]["tied"], by_stage[3]["tied"])
+
+
+@pytest.mark.parametrize("label", list(MOE_CASES))
+def test_moe_with_clipping_and_exact_rollback_is_bit_identical_including_router_state(reports, label):
+    """With expert parallelism megatron norms the dense and the expert gradients over different groups (dense:
+    tensor x pipeline; experts: expert tensor x expert x pipeline) and combines the two norms; with the
+    distributed optimizer both share one group, and at EP=1 the experts are dense parameters (one optimizer).
+    The replayed passes find the routers' token counts and the MoE metrics as they were."""
+    ours, reference = reports[f"{label}/pv/clip/exact"], reports[f"{label}/sync/clip"]
+    harness.assert_identical(ours, reference)
+    for mine, theirs in zip(ours, reference):
+        groups = mine["statistics_groups"]
+        assert len(groups) == (2 if label == "moe/pp2xep2" else 1) and groups[-1] == (0, 1, 2, 3)
+        assert [o["grad_norm"] for o in mine["outcomes"]] == theirs["grad_norms"]  # megatron's, to the last bit
+        assert mine["expert_bias"].keys() == theirs["expert_bias"].keys() and theirs["expert_bias"]
+        assert all(torch.equal(mine["expert_bias"][n], b) for n, b in theirs["expert_bias"].items())
+        assert sorted(theirs["moe_metrics"]) == ["global_load_balancing_loss", "load_balancing_loss", "z_loss"]
+        assert all(torch.equal(mine["moe_metrics"][n], v) for n, v in theirs["moe_metrics"].items())
+        assert any(o["replay"] for o in mine["outcomes"])
+        stage_of = mine["stage_of_rank"]
+        assert not [c for c in mine["collectives"] if len({stage_of[x] for x in c[1]}) > 1]  # none spans stages
+    assert sum(r["rollbacks"] for r in ours) > 0
+
+
+def test_moe_metrics_wait_for_the_printed_iterations_and_are_reported_with_each_iterations_values():
+    """Under post-validation, megatron's training_log reports the MoE metrics (an all-reduce over the pipeline
+    ranks) only at the iterations it prints and at the end of training: the iterations in between wait, then
+    are reported in turn with their own values and arguments, as megatron would have reported them."""
+    from types import SimpleNamespace
+
+    from megatron.zero_bubble.patches.post_validation_training import IntervalMoEReports
+
+    class Tracker:  # megatron's MoEMetricsTracker as training_log uses it
+        def __init__(self):
+            self.metrics, self.reported = {"loss": SimpleNamespace(values=torch.zeros(2))}, []
+
+        def report(self, iteration):  # megatron's: all-reduce, accumulate, clear
+            self.reported.append((iteration, {name: e.values.tolist() for name, e in self.metrics.items()}))
+            self.clear()
+            return f"line {iteration}"
+
+        def clear(self):
+            for entry in self.metrics.values():
+                entry.values.zero_()
+
+    tracker = Tracker()
+    reports = IntervalMoEReports(lambda: tracker)
+    for iteration, printing, reported in ((1, True, [1]), (2, False, [1]), (3, False, [1]), (4, True, [1, 2, 3, 4]),
+                                          (5, False, [1, 2, 3, 4])):
+        tracker.metrics["loss"].values += iteration
+        if iteration == 3:  # a metric first recorded now held zeros at iteration 2
+            tracker.metrics["z_loss"] = SimpleNamespace(values=torch.full((2,), 0.5))
+        reports.printing = printing
+        assert reports.report(iteration=iteration) == (f"line {iteration}" if printing else "")
+        assert [i for i, _ in tracker.reported] == reported  # no reduction at the iterations that do not print
+    reports.clear()  # what training_log does not wrap goes to megatron's tracker
+    reports.catch_up()  # the end of training
+    assert tracker.reported == [(1, {"loss": [1, 1]}), (2, {"loss": [2, 2], "z_loss": [0, 0]}),
+                                (3, {"loss": [3, 3], "z_loss": [0.5, 0.5]}), (4, {"loss": [4, 4], "z_loss": [0, 0]}),
+                                (5, {"loss": [5, 5], "z_loss": [0, 0]})]

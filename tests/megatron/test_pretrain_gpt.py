@@ -47,7 +47,8 @@ POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/z
                         "pp4/zb-v/post-validation-exact", "pp4/interleaved/clip", "pp4/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
                         "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
-                        "dp2pp2/post-validation/distributed/overlap")
+                        "dp2pp2/post-validation/distributed/overlap", "pp4/moe/megatron/fp16",
+                        "pp4/moe/post-validation/fp16")
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
@@ -56,6 +57,10 @@ NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]  # the planner's heuristic alone:
 # Mixture of experts (top-2 of 4, aux loss, alltoall, expert bias updated after each step) and sequence parallelism
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
        "--disable-bias-linear --moe-router-score-function sigmoid --moe-router-enable-expert-bias").split()
+# MoE with post-validation: the dense and the expert optimizer each keep an fp16 loss scaler (overflows skip steps and
+# move the scale the MoE aux loss's gradient follows); clip 1.2 rolls a step back; the MoE metrics, reported at
+# the printed iterations only under post-validation, are averaged over two iterations.
+MOE_PV = PV_MODEL[:1] + ["--clip-grad", "1.2", *PRECISIONS["fp16"], "--log-interval", "2"]
 TP2PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
              "--num-layers", "4"]  # half the layers: SP's gathers and scatters make these the slowest runs on gloo
 
@@ -97,6 +102,9 @@ def _runs(work: str) -> dict[str, list[str]]:
         "dp2pp2/zb-auto/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--enable-zero-bubble", *ILP],
         "pp4/moe/megatron": PP4 + MOE,
         "pp4/moe/zb-auto": PP4 + MOE + ["--enable-zero-bubble", *TIMERS, *NO_ILP, "--zero-bubble-dump-schedule", dump_moe],
+        "pp4/moe/megatron/fp16": PP4 + MOE + MOE_PV,
+        "pp4/moe/post-validation/fp16": PP4 + MOE + MOE_PV + ["--pipeline-schedule", "zb-h1",
+                                                              "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
         "tp2pp2/sp/megatron": TP2PP2_SP,
         "tp2pp2/sp/zb-h1": TP2PP2_SP + ["--pipeline-schedule", "zb-h1"],
         "tp2pp2/sp/zb-auto": TP2PP2_SP + ["--enable-zero-bubble", *NO_ILP],
@@ -363,14 +371,17 @@ def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_co
     assert "optimizer post-validation on" in runs[run]
 
 
+def _iteration_lines(log: str) -> list[str]:
+    """Everything megatron prints per iteration but the clock, and our extra count."""
+    found = re.findall(r"( iteration +\d+/.*)", log)
+    return [re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|| number of optimizer rollbacks: +\d+ \|", "", line)
+            for line in found]
+
+
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_optimizer_post_validation_with_mixed_precision_prints_megatrons_iteration_lines(runs, precision):
     """bf16/fp16 with fp32 main params (fp16 with loss-scale overflows, skipped steps and scale updates)."""
-    def lines(log):  # everything megatron prints per iteration but the clock, and our extra count
-        found = re.findall(r"( iteration +\d+/.*)", log)
-        return [re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|| number of optimizer rollbacks: +\d+ \|", "", line)
-                for line in found]
-
+    lines = _iteration_lines
     ours, reference = runs[f"pp4/post-validation/{precision}"], runs[f"pp4/megatron/{precision}"]
     assert lines(ours) == lines(reference) and len(lines(reference)) == ITERS
     if precision == "fp16":  # exact rollback: the evaluations after the last step agree to the last digit too
@@ -419,6 +430,18 @@ def test_moe_zb_auto_prints_megatrons_losses_and_moe_auxiliary_loss(runs):
     aux = [dict(MOE_AUX_LOSS.findall(runs[label])) for label in ("pp4/moe/zb-auto", "pp4/moe/megatron")]
     assert aux[0] == aux[1] and sorted(aux[1]) == [str(i) for i in range(1, ITERS + 1)]
     assert len(set(aux[1].values())) > 1  # the load balance changes as the experts and their biases train
+
+
+def test_moe_with_post_validation_prints_megatrons_iteration_lines_and_moe_loss(runs):
+    """Two statistics groups (dense, experts) and two fp16 loss scalers; a step rolled back, steps skipped; the
+    load-balancing loss megatron averages over the iterations since the last line (here two) is the same."""
+    ours, reference = runs["pp4/moe/post-validation/fp16"], runs["pp4/moe/megatron/fp16"]
+    assert _iteration_lines(ours) == _iteration_lines(reference)
+    assert sorted(iteration_figures(reference)) == [1, 2, 4, 6] and "load_balancing_loss" in reference
+    assert validation_losses(ours) == validation_losses(reference) != []
+    assert "number of skipped iterations:   1" in reference  # the fp16 overflows were exercised
+    assert sum(int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", ours)) >= 1
+    assert "optimizer post-validation on" in ours
 
 
 def test_replanning_measures_the_moe_layers_like_any_other(runs, work_dir):
@@ -562,8 +585,11 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                      4, ["--moe-shared-expert-overlap needs CUDA", "drop"]),
     "expert all-to-all overlap with the runtime": (PP4 + MOE + ["--enable-zero-bubble", "--overlap-moe-expert-parallel-comm"],
                                                    4, ["--overlap-moe-expert-parallel-comm", "--enable-zero-bubble"]),
-    "post-validation with mixture of experts": (PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation"],
-                                                4, ["--num-experts", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
+    "post-validation with mixture of experts, good flags": (
+        PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4, None, MODEL + TRAIN_PV),
+    "post-validation with the MoE router trace": (
+        PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--moe-routing-trace-path", "trace"],
+        4, ["--moe-routing-trace-path", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
     "mixture of experts and sequence parallelism, good flags": (
         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
          "--pipeline-schedule", "zb-h1", *MOE], 4, None),

@@ -39,8 +39,8 @@ class StepValidation(Protocol):
     def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
 
-    def settle(self) -> None:
-        """Apply the verdict of the last V (once the sums went on); a no-op when there is none."""
+    def settle(self) -> bool:
+        """Apply the verdict of the last V (once the sums went on); False (a no-op) when there is none."""
 
     def flush(self) -> None:
         """Validate a pending step outside an iteration (every rank at the same point)."""
@@ -265,7 +265,7 @@ class PipelineExecutor:
         run, program, rollback = self._program(schedule, rank, forward_only)
         rewind = None
         if rollback is not None and self.post_validation.has_pending:  # the V pass may ask for a replay
-            rewind = Rewind(iterators)
+            rewind = Rewind(iterators, self.internals().forward_accumulators(chunks))
             iterators = rewind.iterators
         shape = pipeline_tensor_shape(config, pg_collection, seq_length, micro_batch_size, decoder_seq_length)
         device = current_device()
@@ -336,7 +336,7 @@ class _Iteration:
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     def run(self, program: list) -> None:
-        settle = self.executor.post_validation.settle if self.executor.post_validation is not None else _nothing
+        settle = self.settle
         for item in program:
             if isinstance(item, Recv):
                 self.transport.post_recv(item.msg)
@@ -407,14 +407,21 @@ class _Iteration:
         if out is not None:
             self.outgoing[out] = (summary, None)
         else:
-            controller.settle()
+            self.settle()
         return replay
+
+    def settle(self) -> None:
+        """Apply a verdict that waits. It may move the loss scale, which the forward passes before V already
+        handed to megatron's auxiliary losses (MoE) for the backward passes that follow: hand them the new one."""
+        controller = self.executor.post_validation
+        if controller is not None and controller.settle():
+            self.executor.internals().reset_forward_loss_scales(self.config, self.num_microbatches, self.cp_size)
 
     def replay(self) -> None:
         """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
         if self.rewind is None:
             raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
-        settle = self.executor.post_validation.settle
+        settle = self.settle
         for item in self.rollback.after_validation:
             if isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
@@ -519,7 +526,3 @@ class _Iteration:
     def weight(self, p: Pass) -> None:
         self.stores[p.chunk].run_next(p.mb)
         self.in_flight -= 1
-
-
-def _nothing() -> None:
-    return None

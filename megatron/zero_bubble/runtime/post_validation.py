@@ -14,10 +14,10 @@ weights, must be replayed. Both summaries travel as messages of the schedule's l
 The executor talks to this controller through four calls (executor.StepValidation): `statistics` (S),
 `receive_result` and `settle` (V), `flush` (a pending step validated outside an iteration).
 
-The squared norms travel per rank of megatron's statistics group (model-parallel ranks; every rank with
-the distributed optimizer) and are added in descending rank order, the order gloo's all-reduce of one
-element uses (checked at 4 ranks), so the full norm equals megatron's on gloo; with NCCL it may differ by
-an ulp (so may clipped steps with the exact rollback).
+The squared norms travel per rank of megatron's statistics groups (model-parallel ranks; with MoE also
+the expert group's; every rank with the distributed optimizer), laid out and added up as megatron reduces
+them (step_statistics.py), so the full norm equals megatron's on gloo; with NCCL it may differ by an ulp
+(so may clipped steps with the exact rollback).
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import torch.distributed as dist
 
 from ..schedules.comm import Recv, Send, consumed, lower
 from ..schedules.post_validation import validation_only
-from . import optimizer_rollback
+from . import optimizer_rollback, step_statistics
 from .p2p import PipelineTransport, current_device
 
-# Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
-# group (in its rank order), then these three.
-NONFINITE, SPECULATIVE, PENDING = range(-3, 0)
+# The summary tensor that travels between stages: squared norms and inf flags (step_statistics.SummaryLayout),
+# then these two.
+SPECULATIVE, PENDING = range(-step_statistics.STEP_FLAGS, 0)
 
 
 class StepState(StrEnum):
@@ -46,10 +46,6 @@ class StepState(StrEnum):
     DEFERRED = "deferred"  # not yet: the partial sums already need a clip, so it waits for the full ones
     SKIPPED = "skipped"  # inf/NaN in the partial sums
     EXACT = "exact"  # the last rank of the statistics chain: its partial sums are the full ones
-
-
-def summary_size(stats_ranks: int) -> int:
-    return stats_ranks + 3
 
 
 @dataclass
@@ -94,14 +90,17 @@ class PostValidation:
     a ChainedOptimizer of those); pp_group: this rank's pipeline group; stats_group: the group megatron
     reduces gradient statistics over (its model-parallel group; the world with the distributed optimizer);
     stage_group: the part of it in this stage (tensor-parallel ranks; with the distributed optimizer also
-    the data-parallel ones); exact: keep snapshots for bit-exact rollback instead of inverting in place;
-    layout and chunks: the schedule's, which fix the order in which the result walks the ranks (flush).
+    the data-parallel ones); blocks: instead of those two, megatron's reductions one by one where its leaf
+    optimizers reduce over different groups (MoE: step_statistics.blocks_for); exact: keep snapshots for
+    bit-exact rollback instead of inverting in place; layout and chunks: the schedule's, which fix the order
+    in which the result walks the ranks (flush).
     """
 
     optimizer: object
     pp_group: object
     stage_group: object = None
     stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
+    blocks: list | None = None  # step_statistics.Block per reduction; None: one, over stats_group
     exact: bool = False
     scheduler: object = None
     layout: str = "single"
@@ -120,24 +119,26 @@ class PostValidation:
 
     @classmethod
     def for_optimizer(cls, optimizer, **kwargs) -> "PostValidation":
-        """With the groups megatron's parallel state gives this optimizer: its statistics group, and the part of
-        it in this stage (tensor-parallel; also data-parallel where the distributed optimizer shards state)."""
-        from megatron.core import parallel_state
+        """With the groups megatron's parallel state gives this optimizer: its leaves' statistics groups, and the
+        part of each in this stage (tensor-parallel; expert tensor- and expert-parallel for the expert leaf; also
+        data-parallel where the distributed optimizer shards state)."""
+        from megatron.core import parallel_state as ps
 
         leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-        if any(getattr(getattr(leaf, "ddp_config", None), "use_distributed_optimizer", False) for leaf in leaves):
-            stage_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        else:
-            stage_group = parallel_state.get_tensor_model_parallel_group()
-        return cls(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(), stage_group=stage_group,
-                   stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD, **kwargs)
+        stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(stage), [
+            ps.get_tensor_model_parallel_group, ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
+        return cls(optimizer, pp_group=ps.get_pipeline_model_parallel_group(), stage_group=blocks[0].stage_group,
+                   blocks=blocks, **kwargs)
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
-        self.stats_ranks = dist.get_process_group_ranks(self.stats_group or self.pp_group)
-        self.stage_ranks = dist.get_process_group_ranks(self.stage_group) if self.stage_group is not None else [dist.get_rank()]
-        self.size = summary_size(len(self.stats_ranks))
         self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        if self.blocks is None:
+            self.blocks = [step_statistics.Block.of(self.stats_group or self.pp_group, range(len(self.leaves)),
+                                                    self.stage_group)]
+        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves))
+        self.size = self.stats.size
         self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
 
@@ -148,20 +149,19 @@ class PostValidation:
         decide this rank's step; returns the sums to pass on (the full sums when `final`)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
-        nonfinite = self._prepare_grads()
-        squares = self._squared_norm()
-        local = torch.stack([squares, torch.tensor(float(nonfinite or not torch.isfinite(squares)), device=self.device)])
-        gathered = [local]
-        if len(self.stage_ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
-            gathered = [torch.empty_like(local) for _ in self.stage_ranks]
-            dist.all_gather(gathered, local, group=self.stage_group)
+        found_inf = self._prepare_grads()
         summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
-        for rank, value in zip(self.stage_ranks, gathered):
-            summary[self.stats_ranks.index(rank)] = value[0]
-            summary[NONFINITE] = max(float(summary[NONFINITE]), float(value[1]))
-        norm = self._norm(summary[:NONFINITE])
+        for index, block in enumerate(self.blocks):
+            local = torch.stack([self._squared_norm(block), *(found_inf[leaf] for leaf in block.leaves)])
+            ranks, gathered = block.stage_ranks, [local]
+            if len(ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
+                gathered = [torch.empty_like(local) for _ in ranks]
+                dist.all_gather(gathered, local, group=block.stage_group)
+            for rank, value in zip(ranks, gathered):
+                self.stats.add_stage(summary, index, rank, value[0], value[1:])
+        norm = self.stats.norm(summary)
         clip = self._needs_clip(norm)
-        state = (StepState.SKIPPED if summary[NONFINITE] > 0 else StepState.EXACT if final
+        state = (StepState.SKIPPED if self.stats.nonfinite(summary) else StepState.EXACT if final
                  else StepState.DEFERRED if clip else StepState.STEPPED)
         summary[SPECULATIVE] += float(state == StepState.STEPPED)
         self._statistics = _Statistics(summary, norm, clip, state, final)
@@ -189,7 +189,7 @@ class PostValidation:
             summary = found.summary
             summary[PENDING] = 1
             self.final = summary
-            self._update_loss_scale(skipped)
+            self._update_loss_scale(summary)
             self.last_outcome = Outcome(norm, state, skipped, clip and not skipped, False, False)
             if (clip or skipped) and summary[SPECULATIVE] > 0:
                 self.rolled_back_steps += 1
@@ -214,18 +214,20 @@ class PostValidation:
         self._unsettled = summary
         return summary, self.needs_replay(summary)
 
-    def settle(self) -> None:
-        """Apply the verdict V received (a no-op when there is none waiting)."""
-        if self._unsettled is not None:
-            summary, self._unsettled = self._unsettled, None
-            self.validate(summary)
+    def settle(self) -> bool:
+        """Apply the verdict V received; False (a no-op) when there is none waiting."""
+        if self._unsettled is None:
+            return False
+        summary, self._unsettled = self._unsettled, None
+        self.validate(summary)
+        return True
 
     def needs_replay(self, summary: torch.Tensor) -> bool:
         """Whether every rank must replay what it ran before V (decided alike everywhere from the full sums)."""
         if summary[PENDING] == 0:
             return False
-        nonfinite = bool(summary[NONFINITE] > 0)
-        return (not nonfinite and self._needs_clip(self._norm(summary[:NONFINITE]))) or (
+        nonfinite = self.stats.nonfinite(summary)
+        return (not nonfinite and self._needs_clip(self.stats.norm(summary))) or (
             nonfinite and bool(summary[SPECULATIVE] > 0))
 
     @torch.no_grad()
@@ -239,8 +241,8 @@ class PostValidation:
         pending, self.pending = self.pending, None
         if pending is None:
             raise RuntimeError("optimizer post-validation: a validation arrived for no pending step")
-        nonfinite = bool(summary[NONFINITE] > 0)
-        norm = self._norm(summary[:NONFINITE])
+        nonfinite = self.stats.nonfinite(summary)
+        norm = self.stats.norm(summary)
         clip = not nonfinite and self._needs_clip(norm)
         undo = pending.state == StepState.STEPPED and (nonfinite or clip)
         waiting = pending.state in (StepState.STEPPED, StepState.DEFERRED)
@@ -263,7 +265,7 @@ class PostValidation:
             self._undo_scheduler_increment(pending)
         replay = self.needs_replay(summary)
         if not pending.final:  # the holder of the full sums did this at its step
-            self._update_loss_scale(nonfinite)
+            self._update_loss_scale(summary)
             self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
             self.rolled_back_steps += (nonfinite or clip) and bool(summary[SPECULATIVE] > 0)
         self.last_outcome.replay = replay
@@ -309,10 +311,13 @@ class PostValidation:
             zero_grad(*args, **kwargs)
 
     # -- pieces of megatron's step, kept stage-local -------------------------------------------------
-    def _prepare_grads(self) -> bool:
-        """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready, local inf flag."""
-        nonfinite = False
+    def _prepare_grads(self) -> list[torch.Tensor]:
+        """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready; per leaf, whether
+        unscaling found inf/NaN on this rank (always 0 without a loss scaler)."""
+        found_inf = []
         for leaf in self.leaves:
+            found = torch.zeros((), dtype=torch.float, device=self.device)
+            found_inf.append(found)
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
             if self.megatron_internals.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
@@ -322,28 +327,22 @@ class PostValidation:
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         self.megatron_internals.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
                     )
-                    nonfinite = nonfinite or bool(leaf.found_inf.item() > 0)
+                    found.copy_(leaf.found_inf.reshape(()))
             else:
                 leaf.prepare_grads()  # FP32Optimizer: param.grad = param.main_grad, no communication
-        return nonfinite
+        return found_inf
 
-    def _squared_norm(self) -> torch.Tensor:
-        """This rank's sum of squared gradients, computed as megatron's get_grad_norm_fp32 does before reducing."""
+    def _squared_norm(self, block) -> torch.Tensor:
+        """This rank's sum of squared gradients of the block's leaves, computed as megatron's get_grad_norm_fp32
+        does before reducing."""
         from megatron.core.optimizer import clip_grads
 
-        grads = self.optimizer.get_grads_for_grad_norm()
+        grads = [grad for leaf in block.leaves for grad in self.leaves[leaf].get_grads_for_grad_norm()]
         if not grads:
             return torch.zeros((), dtype=torch.float, device=self.device)
         overflow = torch.zeros(1, dtype=torch.int, device=self.device)
         norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
         return (norm**2.0).reshape(()).float()
-
-    @staticmethod
-    def _norm(squares: torch.Tensor) -> float:
-        total = squares[-1].clone()
-        for value in reversed(squares[:-1]):  # descending rank order (see the module docstring)
-            total = total + value
-        return total.item() ** 0.5
 
     def _needs_clip(self, norm: float) -> bool:
         # Megatron's rule: scale by clip / (norm + 1e-6) when that is below 1 (monotone in the partial sums).
@@ -423,10 +422,11 @@ class PostValidation:
         if increment:
             self.scheduler.step(increment=-increment)
 
-    def _update_loss_scale(self, nonfinite: bool) -> None:
-        for leaf in self.leaves:
+    def _update_loss_scale(self, summary: torch.Tensor) -> None:
+        """Each leaf's scaler with its own leaf's inf flag, as megatron's prepare_grads updates it."""
+        for index, leaf in enumerate(self.leaves):
             if getattr(leaf, "grad_scaler", None) is not None:
-                leaf.grad_scaler.update(nonfinite)
+                leaf.grad_scaler.update(self.stats.overflowed(summary, index))
 
 
 def _set(group: dict, key: str, value: float) -> None:

@@ -257,8 +257,8 @@ class _ModelledValidation:
     def receive_result(self, result) -> tuple[torch.Tensor, bool]:
         return (torch.zeros(self.size) if result is None else result), False
 
-    def settle(self) -> None:
-        return None
+    def settle(self) -> bool:
+        return False
 
     def flush(self) -> None:
         return None

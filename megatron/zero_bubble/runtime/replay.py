@@ -2,10 +2,14 @@
 
 When post-validation redoes the previous optimizer step, the passes that ran before the V pass used
 speculative weights and are run again (executor._Iteration.replay). The replay must consume the
-microbatches those passes consumed (not the next ones) and draw the same dropout masks, so the result
-equals a run that never speculated.
+microbatches those passes consumed (not the next ones), draw the same dropout masks and find the model's
+running counts as they were (an MoE router adds each forward's tokens per expert to counts that its expert
+bias and load-balancing loss read, and its losses to megatron's metrics), so the result equals a run that
+never speculated.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -56,14 +60,19 @@ def _restore_rng(state: dict) -> None:
 
 
 class Rewind:
-    """Taken at the start of an iteration; `rewind()` puts data and random state back to that point."""
+    """Taken at the start of an iteration; `rewind()` puts data, random state and the model's running counts
+    back to that point. restore_counts: puts back what the forward passes accumulate into, as it was when
+    the Rewind was taken (megatron_private.forward_accumulators)."""
 
-    def __init__(self, iterators: list):
+    def __init__(self, iterators: list, restore_counts: Callable[[], None] | None = None):
         self.iterators = [None if it is None else _Recording(it) for it in iterators]
         self.rng = _capture_rng()
+        self.restore_counts = restore_counts
 
     def rewind(self) -> None:
         for it in self.iterators:
             if it is not None:
                 it.rewind()
         _restore_rng(self.rng)
+        if self.restore_counts is not None:
+            self.restore_counts()

@@ -552,9 +552,9 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
         "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
         "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
-        "num_experts": "expert parameters reduce their gradient statistics over another group (expert tensor x "
-                       "expert x pipeline parallel), which is not chained, and a replay would count the routers' "
-                       "tokens and metrics twice",
+        "moe_enable_routing_replay": "the routing it records or replays is not rewound when passes are replayed",
+        "moe_routing_trace_path": "the router trace would record the passes a rollback replays twice",
+        "save_tokens_per_expert_interval": "it would record the tokens of the passes a rollback replays twice",
         "save_params_interval": "it would save speculative parameters",
         "qk_clip": "it changes weights after the step, which a rollback would not undo",
     }
