@@ -1,6 +1,7 @@
 """Rehearsal of the real runtime at p = 4..32 against the simulator (issue: prove the speed without GPUs).
 
     python benchmarks/rehearsal.py [--stages 4,8,16,32] [--reps 5] [--ilp-time-limit 10] [--unit-ms 1]
+    python benchmarks/rehearsal.py --post-validation-table | --dp-table
 
 Each row runs every schedule on p local processes (gloo): the executor's own iteration loop, lowering and
 transport, each F/B/W pass a wait of its planned time (see megatron/zero_bubble/runtime/rehearsal.py).
@@ -158,6 +159,47 @@ def post_validation_table(reps: int, ilp_time_limit: float, unit_ms: float) -> N
     print(f"(the paper reports about {PAPER_PV_GAIN:.0%} for post-validation over the synchronous step)")
 
 
+# Data-parallel overlap (--dp-table): the p=8 row (6.2B, m=32) with the gradient reduction over 2 data-parallel
+# replicas modelled: a stage holds about 6.2B/8 parameters, bf16 gradients of 1.55 GB, and a ring all-reduce
+# over two replicas moves that much per rank, 62 ms at 25 GB/s (200 Gb/s InfiniBand). Megatron DDP's default
+# buckets (40M parameters) cut a stage into about 19; we model 16 (4 layers x 4 linear weights per stage).
+# megatron-core 0.19 buckets the first stage only (one bucket on the others); under a split schedule the
+# runtime buckets every stage (patches/ddp_bucketing.py); both are shown for both schedules.
+DP_P, DP_M, DP_REDUCE_MS, DP_BUCKETS = 8, 32, 62.0, 16
+DP_SCHEDULES = {"1f1b": ("1f1b", None), "zb-auto": ("zb-auto", None)}
+DP_VARIANTS = {"no overlap": dict(overlap=False),
+               "overlap, first stage bucketed": dict(overlap=True, every_stage=False),
+               "overlap, every stage bucketed": dict(overlap=True, every_stage=True)}
+
+
+def dp_table(reps: int, ilp_time_limit: float, unit_ms: float) -> None:
+    from megatron.zero_bubble.runtime.rehearsal import DataParallel
+
+    model, row_p, row_m = ROW_OF_SIZE[DP_P]
+    costs = row_costs(model, row_p, row_m, stages=DP_P)
+    schedules = {label: plan(name, PlanRequest(stages=DP_P, microbatches=DP_M, costs=costs, ilp_time_limit=ilp_time_limit))
+                 for label, (name, _) in DP_SCHEDULES.items()}
+    keys = [(label, variant) for label in schedules for variant in DP_VARIANTS]
+    exposed = {key: [] for key in keys}
+    iteration = {key: [] for key in keys}
+    for rep in range(reps):
+        for label, variant in keys:
+            model_dp = DataParallel(DP_REDUCE_MS, buckets=DP_BUCKETS, layers=DP_BUCKETS, **DP_VARIANTS[variant])
+            report = rehearse(schedules[label], costs, RehearsalOptions(unit_ms=unit_ms, data_parallel=model_dp))
+            exposed[(label, variant)].append(report["dp_exposed"])
+            iteration[(label, variant)].append(report["measured_makespan"] + report["dp_exposed"])
+        print(f"# data-parallel overlap: rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    print(f"\nData-parallel gradient reduction, p={DP_P} m={DP_M} ({model} row costs), reduction modelled at "
+          f"{DP_REDUCE_MS:g} ms per stage, {DP_BUCKETS} buckets on the first stage; ms, {reps} reps alternated")
+    print(f"{'schedule':<10}{'reduction':<32}{'exposed min':>12}{'median':>9}{'max':>9}{'iteration median':>18}")
+    for label, variant in keys:
+        runs = exposed[(label, variant)]
+        spread = (max(iteration[(label, variant)]) - min(iteration[(label, variant)])) / statistics.median(
+            iteration[(label, variant)])
+        print(f"{label:<10}{variant:<32}{min(runs):>12.1f}{statistics.median(runs):>9.1f}{max(runs):>9.1f}"
+              f"{statistics.median(iteration[(label, variant)]):>18.1f}{' noisy' if spread > NOISY else ''}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="4,8,16,32", help="pipeline sizes, comma-separated (default %(default)s)")
@@ -167,9 +209,14 @@ def main(argv=None) -> int:
                         help="wall milliseconds per profiled millisecond (default %(default)s: real time)")
     parser.add_argument("--post-validation-table", action="store_true",
                         help="only the table of post-validation against the synchronous optimizer step")
+    parser.add_argument("--dp-table", action="store_true",
+                        help="only the table of the exposed data-parallel reduction with and without overlap")
     args = parser.parse_args(argv)
     if args.post_validation_table:
         post_validation_table(args.reps, args.ilp_time_limit, args.unit_ms)
+        return 0
+    if args.dp_table:
+        dp_table(args.reps, args.ilp_time_limit, args.unit_ms)
         return 0
     sizes = [int(x) for x in args.stages.split(",")]
     for p in sizes:

@@ -1,5 +1,5 @@
-"""The post-validation pass V in the schedules layer: placement, free in time and memory, lowering fence,
-the rollback drain/restart programs, and the refusals."""
+"""The post-validation passes V and S in the schedules layer: placement, free in time and memory, lowering
+fence, the rollback drain/restart programs, every layout, and the refusals."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError,
 from megatron.zero_bubble.schedules.cli import main
 from megatron.zero_bubble.schedules.comm import Message, Recv, Send, check_lowering, consumed, lower, produced
 from megatron.zero_bubble.schedules.memory import memory_delta, memory_profile
-from megatron.zero_bubble.schedules.planners import PlanRequest, plan
+from megatron.zero_bubble.schedules.planners import SCHEDULES, PlanRequest, plan
 from megatron.zero_bubble.schedules.post_validation import (
     RollbackProgram,
     check_rollback,
@@ -18,8 +18,9 @@ from megatron.zero_bubble.schedules.post_validation import (
     with_post_validation,
 )
 
-V = Pass("V", 0, 0)
+V, S = Pass("V", 0, 0), Pass("S", 0, 0)
 SINGLE_LAYOUT_PLANNERS = ("1f1b", "zb-h1", "zb-h2", "zb-auto")
+EVERY_PLANNER = tuple(SCHEDULES)
 
 
 def grid():
@@ -41,13 +42,13 @@ def request(p, m, costs, **kw):
 
 
 def action(rank: int, token: str):
-    """Compact notation: F0 B0 W0 BW0 V passes; +act0 / -act0 send / receive, likewise grad and valid."""
-    if token == "V":
-        return V
+    """Compact notation: F0 B0 W0 BW0 V S passes; +act0 / -act0 send / receive, likewise grad, valid, stats."""
+    if token in ("V", "S"):
+        return {"V": V, "S": S}[token]
     if token[0] in "+-":
         send, kind = token[0] == "+", token[1:].rstrip("0123456789")
         mb = int(token[1 + len(kind) :] or 0)
-        if kind == "act":
+        if kind in ("act", "stats"):  # up the ranks
             src, dst = (rank, rank + 1) if send else (rank - 1, rank)
         else:  # grad and valid travel down the ranks
             src, dst = (rank, rank - 1) if send else (rank + 1, rank)
@@ -65,6 +66,11 @@ def without_validation(program):
     return [a for a in program if a != V and not (isinstance(a, (Send, Recv)) and a.msg.kind == "valid")]
 
 
+def compute_only(passes):
+    """The passes without the post-validation ones (V and S)."""
+    return [x for x in passes if x.op not in ("V", "S")]
+
+
 # -- placement, validation, lowering and rollback over every single-layout planner --------------------------
 
 
@@ -78,8 +84,8 @@ def test_v_sits_before_the_first_backward_and_every_check_passes(name):
             assert with_v.info["post_validation"] is True and with_v.name == plain.name
             for rank, passes in enumerate(with_v.ranks):
                 v = passes.index(V)
-                assert [x for x in passes if x != V] == plain.ranks[rank]
-                assert passes.count(V) == 1
+                assert compute_only(passes) == plain.ranks[rank]
+                assert passes.count(V) == 1 and passes.count(S) == 1 and passes[-1] == S
                 assert passes[v + 1].op in ("B", "BW") and all(x.op == "F" for x in passes[:v])
             validate(with_v, costs)  # includes check_lowering and check_rollback
             programs = lower(with_v, costs)
@@ -87,10 +93,12 @@ def test_v_sits_before_the_first_backward_and_every_check_passes(name):
             check_rollback(with_v, programs)
 
 
-@pytest.mark.parametrize("name", SINGLE_LAYOUT_PLANNERS)
+@pytest.mark.parametrize("name", EVERY_PLANNER)
 def test_v_changes_neither_bubble_rate_nor_peak_memory_nor_any_pass_time(name):
-    for p, m in grid():
+    """In every layout: V walks the ranks in the order of their first backward, so it never delays one."""
+    for p, m in _grid_for(name):
         for label, costs in cost_variants(p):
+            costs = _for_layout(name, costs)
             plain = plan(name, request(p, m, costs))
             base, timed = simulate(plain, costs), simulate(with_post_validation(plain), costs)
             assert timed.bubble_rate == base.bubble_rate, (name, p, m, label)
@@ -98,14 +106,66 @@ def test_v_changes_neither_bubble_rate_nor_peak_memory_nor_any_pass_time(name):
             assert timed.makespan == base.makespan
             assert timed.peak_memory == base.peak_memory
             for rank in range(p):
-                others = [(t.op, t.start, t.end) for t in timed.ranks[rank] if t.op != V]
+                others = [(t.op, t.start, t.end) for t in timed.ranks[rank] if t.op.op not in ("V", "S")]
                 assert others == [(t.op, t.start, t.end) for t in base.ranks[rank]], (name, p, m, label, rank)
+
+
+def _grid_for(name: str):
+    """The grid points the planner takes (megatron's interleaving needs m >= p); V-Half and V-Min up to p = 4, as
+    their planners take a while and their layout is zb-v's."""
+    for p, m in grid():
+        if (name == "interleaved-1f1b" and m < p) or (name in ("v-half", "v-min") and p > 4):
+            continue
+        yield p, m
+
+
+def _for_layout(name: str, costs: Costs) -> Costs:
+    """The same per-stage costs on every chunk of a two-chunk layout (each chunk half a stage)."""
+    chunks = SCHEDULES[name].chunks
+    if chunks == 1:
+        return costs
+    halve = lambda values: [v / chunks for v in values for _ in range(chunks)]  # noqa: E731
+    return Costs.make(len(costs.t_f) * chunks, t_f=halve(costs.t_f), t_b=halve(costs.t_b), t_w=halve(costs.t_w),
+                      t_comm=costs.t_comm, chunks=chunks)
+
+
+@pytest.mark.parametrize("name", EVERY_PLANNER)
+def test_every_layout_takes_post_validation_with_v_and_s_on_each_ranks_last_chunk(name):
+    for p, m in _grid_for(name):
+        for _, costs in cost_variants(p):
+            costs = _for_layout(name, costs)
+            schedule = plan(name, request(p, m, costs, post_validation=True))  # validates lowering and rollback
+            last = schedule.chunks - 1
+            for passes in schedule.ranks:
+                assert passes.count(Pass("V", 0, last)) == 1 and passes[-1] == Pass("S", 0, last)
+
+
+@pytest.mark.parametrize("name, head", [("zb-h1", "last"), ("interleaved-1f1b", "last"), ("zb-v", "first")])
+def test_the_result_walks_from_the_rank_of_the_last_virtual_stage_and_the_statistics_end_there(name, head):
+    p = 4
+    schedule = plan(name, PlanRequest(p, 8, post_validation=True))
+    last = schedule.chunks - 1
+    v, s = Pass("V", 0, last), Pass("S", 0, last)
+    holder = p - 1 if head == "last" else 0
+    step = -1 if head == "last" else 1  # the way the result walks
+    for rank in range(p):
+        before, after = rank - step, rank + step
+        result_in, result_out = consumed(schedule, rank, v), produced(schedule, rank, v)
+        assert (result_in is None) == (rank == holder) and (result_out is None) == (rank == holder + step * (p - 1))
+        if result_in is not None:
+            assert (result_in.src, result_in.dst) == (before, rank)
+        if result_out is not None:
+            assert (result_out.src, result_out.dst) == (rank, after)
+        stats_out = produced(schedule, rank, s)
+        assert (stats_out is None) == (rank == holder)
+        if stats_out is not None:
+            assert (stats_out.src, stats_out.dst) == (rank, before) and stats_out.kind == "stats"
 
 
 def test_zb_auto_with_its_ilp_refinement_takes_v_as_well():
     costs = cost_variants(4)[1][1]
     schedule = plan("zb-auto", PlanRequest(4, 8, costs=costs, ilp_time_limit=1.0, post_validation=True))
-    plain = Schedule(4, 1, 8, "single", [[x for x in r if x != V] for r in schedule.ranks])
+    plain = Schedule(4, 1, 8, "single", [compute_only(r) for r in schedule.ranks])
     assert simulate(schedule, costs).bubble_rate == simulate(plain, costs).bubble_rate
 
 
@@ -164,21 +224,25 @@ def test_no_receive_for_after_v_is_posted_before_v(name):
 def test_one_f_one_b_p2_m4_rollback_by_hand():
     schedule = with_post_validation(plan("1f1b", PlanRequest(2, 4)))
     programs = lower(schedule)
-    # Rank 0 gets the result before V; rank 1 posts the receive of act1 (needed by F1, after V) after V.
+    # Rank 0 gets the result before V; rank 1 posts the receive of act1 (needed by F1, after V) after V, and
+    # after it sent the result on (act1 counts from just after rank 1's V in the pair's order).
+    # S comes last: rank 0 sends its statistics on, rank 1 (the last) receives them and holds the full sums.
     assert programs == [
-        actions(0, "F0 +act0 F1 +act1 -valid V -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3"),
-        actions(1, "-act0 F0 V -act1 +valid BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3"),
+        actions(0, "F0 +act0 -valid F1 +act1 V -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 S +stats"),
+        actions(1, "-act0 F0 V +valid -act1 BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3 -stats S"),
     ]
     # Rank 0 sent act0 and act1 before its V; rank 1 consumed only act0 before its V, so act1 is stale.
     # Rank 1 sends nothing before its V, so rank 0 has nothing to drain and no one to pass the result to.
     assert rollback_programs(schedule, programs) == [
         RollbackProgram(
             after_validation=[],
-            restart=actions(0, "F0 +act0 F1 +act1 -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3"),
+            restart=actions(0, "F0 +act0 F1 +act1 -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 S "
+                               "+stats"),
         ),
         RollbackProgram(
-            after_validation=actions(1, "-act1 +valid"),
-            restart=actions(1, "-act0 F0 -act1 BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3"),
+            after_validation=actions(1, "+valid -act1"),
+            restart=actions(1, "-act0 F0 -act1 BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3 "
+                               "-stats S"),
         ),
     ]
 
@@ -190,7 +254,7 @@ def test_zb_h1_p3_m6_rollback_by_hand():
     # Before V, rank r runs the F of microbatches 0..p-1-r and sends each on: rank 0 sends act0..act2,
     # rank 1 act0 and act1. Rank 1 consumes act0 and act1 before its V, rank 2 only act0: the stale ones
     # are act2 on rank 1 and act1 on rank 2. Gradients are all sent after the sender's V: none is stale.
-    assert [r.after_validation for r in rollbacks] == [[], actions(1, "-act2 +valid"), actions(2, "-act1 +valid")]
+    assert [r.after_validation for r in rollbacks] == [[], actions(1, "+valid -act2"), actions(2, "+valid -act1")]
     assert [r.restart for r in rollbacks] == [without_validation(p) for p in programs]
     assert rollbacks[2].restart[:8] == actions(2, "-act0 F0 -act1 B0 +grad0 -act2 F1 B1")
 
@@ -223,7 +287,8 @@ def test_check_rollback_catches_swapped_stale_receives():
 def test_check_rollback_catches_a_gradient_receive_posted_before_v():
     schedule = with_post_validation(plan("1f1b", PlanRequest(2, 4)))
     programs = lower(schedule)
-    early = actions(0, "F0 +act0 F1 +act1 -valid -grad0 V BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3")
+    early = actions(0, "F0 +act0 -valid F1 +act1 -grad0 V BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 "
+                       "S +stats")
     check_lowering(schedule, [early, programs[1]])  # fine without a rollback...
     with pytest.raises(ScheduleError, match=r"after a rollback, schedule '1f1b'.*gradient of microbatch 0"):
         check_rollback(schedule, [early, programs[1]])  # ...but the replayed grad4 meets the posted grad0
@@ -260,17 +325,16 @@ def test_validate_refuses_v_with_a_microbatch():
         validate(edited(s, 1, [Pass("V", 1, 0) if x == V else x for x in s.ranks[1]]))
 
 
-@pytest.mark.parametrize("name,layout", [("zb-v", "v"), ("interleaved-1f1b", "interleaved")])
-def test_v_and_interleaved_layouts_are_refused(name, layout):
-    message = f"post-validation supports only the 'single' layout, but schedule '{name}' uses the '{layout}' layout"
-    with pytest.raises(ScheduleError, match=message):
-        plan(name, PlanRequest(2, 4, post_validation=True))
-    s = plan(name, PlanRequest(2, 4))
-    with pytest.raises(ScheduleError, match=message):
-        with_post_validation(s)
-    hand_made = dataclasses.replace(s, ranks=[[V] + r for r in s.ranks])
-    with pytest.raises(ScheduleError, match=message):
-        validate(hand_made)
+def test_validate_refuses_s_before_the_last_pass_and_v_on_a_chunk_other_than_the_last():
+    s = with_post_validation(plan("zb-h1", PlanRequest(3, 6)))
+    passes = s.ranks[2]
+    with pytest.raises(ScheduleError, match="rank 2 runs W of microbatch 5 after its step statistics pass; S must be"):
+        validate(edited(s, 2, passes[:-2] + [S, passes[-2]]))
+    v_shape = with_post_validation(plan("zb-v", PlanRequest(2, 4)))
+    moved = [Pass("V", 0, 0) if x.op == "V" else x for x in v_shape.ranks[1]]
+    with pytest.raises(ScheduleError, match="rank 1's post-validation pass names microbatch 0 and chunk 0; V is "
+                                            r"always microbatch 0 on the rank's last chunk \(1\)"):
+        validate(edited(v_shape, 1, moved))
 
 
 def test_with_post_validation_refuses_a_schedule_that_has_v_already():
@@ -311,5 +375,6 @@ def test_cli_post_validation_option(capsys):
     assert main(["export", "--schedule", "zb-h1", "-p", "3", "-m", "6", "--post-validation"]) == 0
     schedule = Schedule.from_json(capsys.readouterr().out)
     assert [r.count(V) for r in schedule.ranks] == [1, 1, 1]
-    assert main(["simulate", "--schedule", "zb-v", "-p", "3", "-m", "6", "--post-validation"]) == 1
-    assert "only the 'single' layout" in capsys.readouterr().err
+    assert main(["export", "--schedule", "zb-v", "-p", "3", "-m", "6", "--post-validation"]) == 0
+    schedule = Schedule.from_json(capsys.readouterr().out)
+    assert [(r.count(Pass("V", 0, 1)), r[-1]) for r in schedule.ranks] == [(1, Pass("S", 0, 1))] * 3

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse
+from megatron.zero_bubble.runtime.rehearsal import DataParallel, RehearsalOptions, rehearse
 from megatron.zero_bubble.schedules.costs import Costs
 from megatron.zero_bubble.schedules.handcrafted import zb_h1
+from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 from megatron.zero_bubble.schedules.post_validation import with_post_validation
 from megatron.zero_bubble.schedules.simulate import simulate
 
@@ -52,6 +53,30 @@ def test_several_iterations_with_the_synchronous_step_or_post_validation():
     validated = rehearse(with_post_validation(zb_h1(4, 6)), costs, options)
     assert validated["iterations"] == 3 and [p["op"] for p in validated["per_rank"][0]["passes"]].count("V") == 1
     assert validated["executor_us_per_pass"] is not None and validated["executor_us_per_pass"] > 0
+
+
+def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_only_with_overlap():
+    """Without overlap every bucket starts after the rank's last pass, so each rank waits the whole reduction;
+    with it, buckets start as the last BW (1F1B: megatron buckets only the first stage, the others reduce in
+    one bucket after their last pass) or the layer-by-layer W tail (zb-auto, through the runtime's own
+    WeightGradStore; every stage bucketed, as the runtime does) completes their weights."""
+    costs = Costs.make(2, t_f=5.0, t_b=5.0, t_w=5.0)
+    reduce_time = 20.0
+    for name in ("1f1b", "zb-auto"):
+        schedule = plan(name, PlanRequest(2, 4, costs=costs, ilp_time_limit=0))
+        if name == "zb-auto":
+            assert [str(p) for p in schedule.ranks[0][-3:]] == ["B3", "W2", "W3"]  # two W after the last B
+        late = rehearse(schedule, costs, RehearsalOptions(data_parallel=DataParallel(reduce_time, overlap=False)))
+        assert all(exposed >= reduce_time * 0.999 for exposed in late["dp_exposed_per_rank"])
+        early = rehearse(schedule, costs, RehearsalOptions(data_parallel=DataParallel(reduce_time, overlap=True)))
+        first, others = early["dp_exposed_per_rank"][0], early["dp_exposed_per_rank"][1:]
+        assert first < reduce_time * 0.9, name
+        if name == "1f1b":  # one bucket on the other stages: it starts as their last pass completes its last weight
+            assert all(exposed >= reduce_time * 0.98 for exposed in others)
+        else:
+            assert all(exposed < reduce_time * 0.9 for exposed in others)
+        assert early["dp_exposed"] >= 0.0 and [p["op"] for p in early["per_rank"][0]["passes"]] == [
+            p.op for p in schedule.ranks[0]]
 
 
 def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr():

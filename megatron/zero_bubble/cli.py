@@ -35,23 +35,43 @@ def _add_rehearse(commands, common, one_schedule_options) -> None:
     sub.add_argument("--allreduce", type=float, default=0.0, metavar="T",
                      help="time of the synchronous step's global all-reduce (grad norm, inf check), in the "
                           "costs' unit; not spent with --post-validation, whose sums travel in V passes (default 0)")
+    sub.add_argument("--dp-reduce", type=float, default=0.0, metavar="T",
+                     help="model data parallelism: the time to reduce one rank's gradients over the replicas, in "
+                          "the costs' unit; buckets start as megatron's --overlap-grad-reduce starts them "
+                          "(default 0: no data parallelism)")
+    sub.add_argument("--dp-buckets", type=int, default=8,
+                     help="with --dp-reduce: gradient buckets of a bucketed stage (default 8)")
+    sub.add_argument("--dp-bucketed-stages", choices=("training", "first", "every"), default="training",
+                     help="with --dp-reduce: which stages have --dp-buckets, the others one: as in training "
+                          "(every stage under a split schedule, the first only otherwise, as megatron) or forced "
+                          "(default %(default)s)")
+    sub.add_argument("--no-dp-overlap", action="store_true",
+                     help="with --dp-reduce: every bucket starts after the rank's last pass (no --overlap-grad-reduce)")
     sub.set_defaults(run=cmd_rehearse)
 
 
 def cmd_rehearse(args) -> None:
-    from .runtime.rehearsal import DEFAULT_MESSAGE_KIB, RehearsalOptions, rehearse
+    from .runtime.rehearsal import DEFAULT_MESSAGE_KIB, DataParallel, RehearsalOptions, rehearse
 
     if args.time_unit_ms <= 0:
         raise planning.UsageError(f"--time-unit-ms must be positive, got {args.time_unit_ms}")
     if args.stages is not None and args.stages > 64:
         raise planning.UsageError(f"rehearse starts one process per stage; --stages {args.stages} is more than 64")
-    if args.iterations < 1 or args.optimizer_step < 0 or args.allreduce < 0:
-        raise planning.UsageError("--iterations must be at least 1, --optimizer-step and --allreduce not negative")
+    if args.iterations < 1 or args.optimizer_step < 0 or args.allreduce < 0 or args.dp_reduce < 0:
+        raise planning.UsageError("--iterations must be at least 1, --optimizer-step, --allreduce and --dp-reduce "
+                                  "not negative")
+    if args.dp_buckets < 1:
+        raise planning.UsageError(f"--dp-buckets must be at least 1, got {args.dp_buckets}")
     schedule, costs, _ = planning._schedule_and_timeline(args)
     message_kib = DEFAULT_MESSAGE_KIB if args.message_kib is None else args.message_kib
+    data_parallel = None
+    if args.dp_reduce > 0:
+        every_stage = {"training": None, "first": False, "every": True}[args.dp_bucketed_stages]
+        data_parallel = DataParallel(reduce_time=args.dp_reduce, overlap=not args.no_dp_overlap,
+                                     buckets=args.dp_buckets, every_stage=every_stage)
     report = rehearse(schedule, costs, RehearsalOptions(
         unit_ms=args.time_unit_ms, message_kib=message_kib, iterations=args.iterations,
-        optimizer_step=args.optimizer_step, allreduce=args.allreduce))
+        optimizer_step=args.optimizer_step, allreduce=args.allreduce, data_parallel=data_parallel))
     sys.stdout.write(json.dumps(report) + "\n")
     print(summary(report, costs.time_unit), file=sys.stderr)
 
@@ -65,6 +85,8 @@ def summary(report: dict, unit: str) -> str:
         f"{report['max_pass_lateness']:.3g} {unit} after its planned start"
         + (f"; {report['iterations']} iterations, {report['measured_time_per_iteration']:.4g} {unit} each"
            if report["iterations"] > 1 else "")
+        + (f"; data-parallel reduction exposed {report['dp_exposed']:.4g} {unit} after the last pass"
+           if "dp_exposed" in report else "")
     )
 
 

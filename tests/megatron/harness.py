@@ -57,6 +57,25 @@ class ModelSpec:
     vocab_size: int = 128
     micro_batch_size: int = 2
     tie_embeddings: bool = False  # with PP > 1 the two copies' gradients are summed by DDP's finalize step
+    add_bias_linear: bool = True
+    # Mixture of experts (megatron-core's MoELayer, local experts: SequentialMLP) when num_experts is set
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_options: tuple = ()  # further TransformerConfig MoE settings as (name, value); a tuple value becomes a list
+    sequence_parallel: bool = False  # with TP > 1 (the CPU backend supplies the norm that honours it)
+
+    def config_overrides(self) -> dict:
+        """The TransformerConfig settings this spec adds to the harness's defaults."""
+        overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel}
+        if self.num_experts is not None:
+            overrides.update(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                             moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+                             moe_token_dispatcher_type=self.moe_token_dispatcher_type)
+            overrides.update({name: list(value) if isinstance(value, tuple) else value
+                              for name, value in self.moe_options})
+        return overrides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +85,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    ep: int = 1  # expert model parallel (MoE specs), carved out of data parallel
 
 
 # ---------------------------------------------------------------- parent side: processes and results
@@ -224,6 +244,22 @@ def merge_by_dp_rank(results: list[dict]) -> dict[int, dict]:
     return merged
 
 
+def assert_identical(ours: list[dict], reference: list[dict], replicas=None, losses: bool = True,
+                     grads: bool = True) -> None:
+    """torch.equal per data-parallel replica (all of the reference's, or `replicas`): losses, gradients and
+    parameters of the reports of every rank."""
+    ours, reference = merge_by_dp_rank(ours), merge_by_dp_rank(reference)
+    if replicas is None:
+        assert ours.keys() == reference.keys()
+    for dp in replicas or reference:
+        if losses:
+            assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
+        for kind in ("grads", "params") if grads else ("params",):
+            assert ours[dp][kind].keys() == reference[dp][kind].keys()
+            for name, value in reference[dp][kind].items():
+                assert torch.equal(ours[dp][kind][name], value), f"{kind[:-1]} of {name} differs"
+
+
 # ---------------------------------------------------------------- rank side: megatron set-up
 
 
@@ -231,8 +267,9 @@ def merge_by_dp_rank(results: list[dict]) -> dict[int, dict]:
 _LAYOUT_GROUPS: dict[tuple, object] = {}
 
 
-def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234) -> None:
-    """(Re)initialise megatron's model-parallel groups and RNG tracker; dp = world_size / (tp * pp).
+def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1) -> None:
+    """(Re)initialise megatron's model-parallel groups and RNG tracker; dp = world_size / (tp * pp), of which
+    `ep` ranks hold different experts of MoE layers.
 
     Megatron's state is built afresh each time, but a process group that the new state asks for with the
     same arguments as the previous one (same ranks, backend, description, ...) is handed back instead of
@@ -269,7 +306,8 @@ def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: 
     dist.new_group = new_or_reused_group  # megatron's create_group looks it up at each call
     try:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=ep,
         )
     finally:
         dist.new_group = new_group
@@ -302,17 +340,25 @@ def _release_training_cycles() -> None:
     With --use-distributed-optimizer: config.grad_scale_func -> optimizer -> its shard views of the
     parameters (tensors with a grad_fn) -> C++ autograd nodes -> DDP's grad hooks -> model -> config. The
     C++ edges are invisible to gc, so the model, optimizer and their process groups would live on.
+    With MoE: an MoE token dispatcher keeps its last forward's routing probabilities (`probs`, a tensor with
+    a grad_fn) -> C++ autograd nodes -> the router weight's grad hook (DDP) -> model -> dispatcher.
     """
     import sys
 
     transformer_config = sys.modules.get("megatron.core.transformer.transformer_config")
     if transformer_config is None:
         return
+    token_dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher_type = getattr(token_dispatcher, "MoETokenDispatcher", ())
     for obj in gc.get_objects():
         if isinstance(obj, transformer_config.TransformerConfig):
             for name in _CONFIG_CALLBACKS:
                 if getattr(obj, name, None) is not None:
                     object.__setattr__(obj, name, None)
+        elif isinstance(obj, dispatcher_type):
+            for name, value in list(vars(obj).items()):
+                if torch.is_tensor(value) and value.grad_fn is not None:
+                    setattr(obj, name, None)
 
 
 def _destroy_megatron_state() -> None:
@@ -334,6 +380,9 @@ def _destroy_megatron_state() -> None:
     for name, value in list(vars(parallel_state).items()):
         if name.isupper() and isinstance(value, torch.distributed.ProcessGroup):
             setattr(parallel_state, name, None)
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
+        moe_logging.destroy_moe_metrics_tracker()
 
 
 def _group_key(args: tuple, kwargs: dict) -> tuple:
@@ -362,8 +411,10 @@ def _destroy_groups(keep: set[int], synchronize: bool = True) -> None:
     while groups:  # popped, so that no reference outlives the loop
         dist.destroy_process_group(groups.pop())
     # A gloo group's threads end with its C++ object, when the last reference goes: the model, DDP buffers
-    # and optimizer of a scenario hold some in reference cycles.
-    gc.collect()
+    # and optimizer of a scenario hold some in reference cycles, some freed only by a later collection
+    # (post-validation with overlapped reduction: one that the first collection's finalizers let go).
+    while gc.collect():
+        pass
 
 
 def transformer_config(spec: ModelSpec, **overrides):
@@ -375,11 +426,13 @@ def transformer_config(spec: ModelSpec, **overrides):
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
         pipeline_dtype=torch.float32, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
+    settings.update(spec.config_overrides())
     settings.update(overrides)
     return TransformerConfig(**settings)
 
@@ -396,7 +449,7 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(spec.num_experts), vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -511,7 +564,7 @@ def run_layout(layout: Layout, spec: ModelSpec, num_microbatches: int, *, ddp: b
     """
     from megatron.core import parallel_state
 
-    init_parallel_state(layout.tp, layout.pp, layout.vpp)
+    init_parallel_state(layout.tp, layout.pp, layout.vpp, ep=layout.ep)
     chunks = build_gpt_chunks(spec, init_seed)
     if ddp:
         chunks = wrap_in_ddp(chunks)
@@ -540,8 +593,8 @@ def _partition_dim(param) -> int | None:
 def _full_tensors(chunks: list, read: Callable) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
 
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
+    groups = {True: parallel_state.get_tensor_model_parallel_group(),
+              False: parallel_state.get_expert_tensor_parallel_group()}  # by param.allreduce: False for experts
     tensors = {}
     for chunk in chunks:
         for name, param in global_param_names(chunk).items():
@@ -550,6 +603,8 @@ def _full_tensors(chunks: list, read: Callable) -> dict[str, torch.Tensor]:
                 continue
             value = value.detach().clone().view(param.shape)
             dim = _partition_dim(param)
+            group = groups[getattr(param, "allreduce", True)]
+            tp_size = group.size()
             if dim is not None and tp_size > 1:
                 shards = [torch.empty_like(value) for _ in range(tp_size)]
                 torch.distributed.all_gather(shards, value.contiguous(), group=group)

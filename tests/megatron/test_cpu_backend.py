@@ -157,9 +157,14 @@ def _attribute_snapshot() -> dict[str, dict]:
     namespaces = {name: module for name, module in sys.modules.items()
                   if name.startswith(("megatron.core", "megatron.training")) and isinstance(module, types.ModuleType)}
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     namespaces.update({"torch": torch, "torch.cuda": torch.cuda, "typing": __import__("typing"),
-                       "Tensor": torch.Tensor, "Module": torch.nn.Module, "LanguageModule": LanguageModule})
+                       "Tensor": torch.Tensor, "Module": torch.nn.Module, "LanguageModule": LanguageModule,
+                       "TopKRouter": TopKRouter, "WrappedTorchNorm": WrappedTorchNorm,
+                       "MoEAlltoAllTokenDispatcher": MoEAlltoAllTokenDispatcher})
     return {name: dict(vars(namespace)) for name, namespace in namespaces.items()}
 
 
@@ -173,7 +178,7 @@ def _changed(before: dict[str, dict], after: dict[str, dict]) -> set[str]:
 
 
 def test_uninstall_restores_every_patched_attribute_and_leaves_torch_alone():
-    from megatron.zero_bubble.patches import cpu_backend, cpu_backend_core, cpu_backend_training, imports
+    from megatron.zero_bubble.patches import cpu_backend, cpu_backend_core, cpu_backend_moe, cpu_backend_training, imports
 
     imports.install()
     cpu_backend.install(training=True, force=True)  # a first round imports everything the patches touch
@@ -190,12 +195,15 @@ def test_uninstall_restores_every_patched_attribute_and_leaves_torch_alone():
     assert not logging.getLogger(cpu_backend_core.RNG_TRACKER_LOGGER).filters
     assert not {name for name in patched if name.split(".")[0] in ("torch", "Tensor", "Module", "typing")}
     expected_torch_names = {f"{module}.torch" for module in cpu_backend_core.MODULES_SEEING_CPU_AS_CUDA
+                            + cpu_backend_moe.MOE_MODULES_SEEING_CPU_AS_CUDA
                             + cpu_backend_training.TRAINING_MODULES_SEEING_CPU_AS_CUDA
                             + ("megatron.training.initialize",)}
     assert expected_torch_names <= patched
     assert "megatron.core.tensor_parallel.random._set_cuda_rng_state" in patched
     assert "LanguageModule.setup_embeddings_and_output_layer" in patched
-    assert len(patched) == len(expected_torch_names) + 11  # the function replacements, one line each
+    assert {"WrappedTorchNorm.__new__", "TopKRouter._apply_expert_bias",
+            "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu"} <= patched
+    assert len(patched) == len(expected_torch_names) + 14  # the function replacements, one line each
 
 
 def test_install_refuses_a_machine_with_cuda_unless_forced(monkeypatch):

@@ -61,7 +61,7 @@ def test_a_schedule_that_disagrees_with_the_run_is_refused_before_any_pass(pp, c
         PipelineExecutor.check_run_matches(one_f_one_b(2, 8), pp, chunks, m)
 
 
-def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped_grad_reduce():
+def test_split_schedules_are_refused_without_the_linear_patch_and_run_with_overlapped_grad_reduce():
     from types import SimpleNamespace
 
     from megatron.zero_bubble.patches import linear_wgrad
@@ -77,8 +77,7 @@ def test_split_schedules_are_refused_without_the_linear_patch_or_with_overlapped
     linear_wgrad.install()
     try:
         executor.check_runtime_support(split, [plain])
-        with pytest.raises(ValueError, match="--overlap-grad-reduce is not supported"):
-            executor.check_runtime_support(split, [overlapped])
+        executor.check_runtime_support(split, [overlapped])  # the stores report deferred weights to DDP
     finally:
         linear_wgrad.uninstall()
 
@@ -90,13 +89,23 @@ def test_a_session_installs_what_it_is_asked_for_and_removes_it_all_even_after_a
     from megatron.zero_bubble.patches import linear_wgrad
     from megatron.zero_bubble.training.session import ZeroBubbleSession
 
-    before = (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce)
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.zero_bubble.patches import ddp_bucketing
+
+    def bindings():
+        return (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce,
+                DistributedDataParallel.__dict__["__init__"],
+                ProcessGroupCollection.__dict__["setup_process_groups_for_ddp"])
+
+    before = bindings()
     executor = PipelineExecutor(lambda m: one_f_one_b(2, m))
-    with ZeroBubbleSession(executor, split_backward=True) as session:
+    with ZeroBubbleSession(executor, split_backward=True, bucket_every_stage=True) as session:
         assert linear_wgrad.installed() and schedule_selection.installed_executor() is executor
+        assert ddp_bucketing.installed() and DistributedDataParallel.__dict__["__init__"] is not before[2]
         assert session.executor is executor
     assert not linear_wgrad.installed() and schedule_selection.installed_executor() is None
-    assert (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce) == before
+    assert not ddp_bucketing.installed() and bindings() == before
 
     def fail(*options):
         raise PatchError("schedule_selection: refused for the test")

@@ -44,16 +44,30 @@ PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1e6"]}
 ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
 POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
+                        "pp4/zb-v/post-validation-exact", "pp4/interleaved/clip", "pp4/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
-                        "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed")
+                        "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
+                        "dp2pp2/post-validation/distributed/overlap", "pp4/moe/megatron/fp16",
+                        "pp4/moe/post-validation/fp16")
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
+NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]  # the planner's heuristic alone: seconds less per plan
+# Mixture of experts (top-2 of 4, aux loss, alltoall, expert bias updated after each step) and sequence parallelism
+MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
+       "--disable-bias-linear --moe-router-score-function sigmoid --moe-router-enable-expert-bias").split()
+# MoE with post-validation: the dense and the expert optimizer each keep an fp16 loss scaler (overflows skip steps and
+# move the scale the MoE aux loss's gradient follows); clip 1.2 rolls a step back; the MoE metrics, reported at
+# the printed iterations only under post-validation, are averaged over two iterations.
+MOE_PV = PV_MODEL[:1] + ["--clip-grad", "1.2", *PRECISIONS["fp16"], "--log-interval", "2"]
+TP2PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+             "--num-layers", "4"]  # half the layers: SP's gathers and scatters make these the slowest runs on gloo
 
 
 def _runs(work: str) -> dict[str, list[str]]:
     """Every run of the 4-rank launch: label -> extra flags (in this order: the resume needs the save)."""
-    ckpt, dump, dump_v = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v"))
+    ckpt, dump, dump_v, dump_moe = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v", "dump-moe"))
     return {
         "pp4/megatron": PP4,
         "pp4/zb-auto": PP4 + ["--enable-zero-bubble", *TIMERS, *ILP, "--zero-bubble-dump-schedule", dump],
@@ -73,11 +87,31 @@ def _runs(work: str) -> dict[str, list[str]]:
         "pp4/zb-h1/post-validation": PP4 + PV_MODEL + ["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"],
         "pp4/zb-auto/post-validation-exact": PP4 + PV_MODEL + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
                                                                "--zero-bubble-exact-rollback", *ILP],
+        # two chunks per rank: the result walks from rank 0 in a V, from rank 3 in the interleaved layout
+        "pp4/zb-v/post-validation-exact": PP4 + PV_MODEL + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation",
+                                                            "--zero-bubble-exact-rollback"],
+        "pp4/interleaved/clip": PP4 + PV_MODEL + ["--pipeline-schedule", "interleaved-1f1b"],
+        "pp4/interleaved/post-validation-exact": PP4 + PV_MODEL + [
+            "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime", "--enable-optimizer-post-validation",
+            "--zero-bubble-exact-rollback"],
         **{f"pp4/megatron/{precision}": PP4 + PV_MODEL + flags for precision, flags in PRECISIONS.items()},
         **{f"pp4/post-validation/{precision}": PP4 + PV_MODEL + flags + ROLLBACK[precision] + [
             "--pipeline-schedule", "zb-h2", "--enable-optimizer-post-validation"]
            for precision, flags in PRECISIONS.items()},
+        "dp2pp2/zb-h1/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--pipeline-schedule", "zb-h1"],
+        "dp2pp2/zb-auto/overlap": ["--pipeline-model-parallel-size", "2", *OVERLAP, "--enable-zero-bubble", *ILP],
+        "pp4/moe/megatron": PP4 + MOE,
+        "pp4/moe/zb-auto": PP4 + MOE + ["--enable-zero-bubble", *TIMERS, *NO_ILP, "--zero-bubble-dump-schedule", dump_moe],
+        "pp4/moe/megatron/fp16": PP4 + MOE + MOE_PV,
+        "pp4/moe/post-validation/fp16": PP4 + MOE + MOE_PV + ["--pipeline-schedule", "zb-h1",
+                                                              "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
+        "tp2pp2/sp/megatron": TP2PP2_SP,
+        "tp2pp2/sp/zb-h1": TP2PP2_SP + ["--pipeline-schedule", "zb-h1"],
+        "tp2pp2/sp/zb-auto": TP2PP2_SP + ["--enable-zero-bubble", *NO_ILP],
         "dp2pp2/megatron/distributed": DISTRIBUTED,
+        "dp2pp2/post-validation/distributed/overlap": DISTRIBUTED + OVERLAP + [
+            "--overlap-param-gather", "--pipeline-schedule", "zb-auto", "--enable-optimizer-post-validation",
+            "--zero-bubble-exact-rollback", *ILP],
         "dp2pp2/post-validation/distributed": DISTRIBUTED + ["--pipeline-schedule", "zb-h1",
                                                              "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
     }
@@ -188,7 +222,7 @@ def runs(work_dir, side_launches) -> dict[str, str]:
     plan = os.path.join(work_dir, "runs.json")
     with open(plan, "w") as f:
         json.dump({"runs": _command_lines(work_dir), "out": work_dir}, f)
-    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=600)
+    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=900)
     logs = {}
     for label in _runs(work_dir):
         parts = []
@@ -323,24 +357,31 @@ def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losse
     assert "zero-bubble:" not in runs["pp4/interleaved"]
 
 
-@pytest.mark.parametrize("run", ["pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact"])
-def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run):
-    _same_training(runs[run], runs["pp4/megatron/clip"])
-    assert validation_losses(runs[run]) == validation_losses(runs["pp4/megatron/clip"]) != []
+@pytest.mark.parametrize("run, reference", [
+    ("pp4/zb-h1/post-validation", "pp4/megatron/clip"), ("pp4/zb-auto/post-validation-exact", "pp4/megatron/clip"),
+    ("pp4/zb-v/post-validation-exact", "pp4/megatron/clip"),
+    ("pp4/interleaved/post-validation-exact", "pp4/interleaved/clip"),
+])
+def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run, reference):
+    _same_training(runs[run], runs[reference])
+    assert validation_losses(runs[run]) == validation_losses(runs[reference]) != []
     rollbacks = [int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", runs[run])]
     assert len(rollbacks) == ITERS and sum(rollbacks) >= 1  # the first step is rolled back and re-stepped
     assert "number of optimizer rollbacks" not in runs["pp4/megatron/clip"]
     assert "optimizer post-validation on" in runs[run]
 
 
+def _iteration_lines(log: str) -> list[str]:
+    """Everything megatron prints per iteration but the clock, and our extra count."""
+    found = re.findall(r"( iteration +\d+/.*)", log)
+    return [re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|| number of optimizer rollbacks: +\d+ \|", "", line)
+            for line in found]
+
+
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_optimizer_post_validation_with_mixed_precision_prints_megatrons_iteration_lines(runs, precision):
     """bf16/fp16 with fp32 main params (fp16 with loss-scale overflows, skipped steps and scale updates)."""
-    def lines(log):  # everything megatron prints per iteration but the clock, and our extra count
-        found = re.findall(r"( iteration +\d+/.*)", log)
-        return [re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|| number of optimizer rollbacks: +\d+ \|", "", line)
-                for line in found]
-
+    lines = _iteration_lines
     ours, reference = runs[f"pp4/post-validation/{precision}"], runs[f"pp4/megatron/{precision}"]
     assert lines(ours) == lines(reference) and len(lines(reference)) == ITERS
     if precision == "fp16":  # exact rollback: the evaluations after the last step agree to the last digit too
@@ -355,9 +396,65 @@ def test_optimizer_post_validation_with_the_distributed_optimizer_prints_megatro
         runs["dp2pp2/megatron/distributed"]) != []
 
 
+@pytest.mark.parametrize("run", ["dp2pp2/zb-h1/overlap", "dp2pp2/zb-auto/overlap"])
+def test_overlapped_gradient_reduction_prints_the_losses_of_megatrons_1f1b(runs, run):
+    _same_training(runs[run], runs["dp2pp2/megatron"])
+    assert validation_losses(runs[run]) == validation_losses(runs["dp2pp2/megatron"]) != []
+
+
+def test_post_validation_with_overlapped_reduction_and_parameter_gathers_prints_megatrons_losses(runs):
+    """(Rollbacks while a parameter gather is in flight: test_post_validation.py, pp2/distributed/overlap.)"""
+    ours = runs["dp2pp2/post-validation/distributed/overlap"]
+    _same_training(ours, runs["dp2pp2/megatron/distributed"])
+    assert validation_losses(ours) == validation_losses(runs["dp2pp2/megatron/distributed"]) != []
+    assert "optimizer post-validation on" in ours
+
+
 @pytest.mark.parametrize("layout,run", [("tp2pp2", "zb-auto"), ("dp2pp2", "zb-h2")])
 def test_tensor_and_data_parallel_runs_print_megatrons_losses(runs, layout, run):
     _same_training(runs[f"{layout}/{run}"], runs[f"{layout}/megatron"])
+
+
+@pytest.mark.parametrize("run", ["zb-h1", "zb-auto"])
+def test_sequence_parallel_runs_print_the_losses_of_megatrons_1f1b_with_the_same_flags(runs, run):
+    _same_training(runs[f"tp2pp2/sp/{run}"], runs["tp2pp2/sp/megatron"])
+    assert validation_losses(runs[f"tp2pp2/sp/{run}"]) == validation_losses(runs["tp2pp2/sp/megatron"]) != []
+
+
+MOE_AUX_LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*? load_balancing_loss: ([0-9.E+-]+) \|")
+
+
+def test_moe_zb_auto_prints_megatrons_losses_and_moe_auxiliary_loss(runs):
+    _same_training(runs["pp4/moe/zb-auto"], runs["pp4/moe/megatron"])
+    assert validation_losses(runs["pp4/moe/zb-auto"]) == validation_losses(runs["pp4/moe/megatron"]) != []
+    aux = [dict(MOE_AUX_LOSS.findall(runs[label])) for label in ("pp4/moe/zb-auto", "pp4/moe/megatron")]
+    assert aux[0] == aux[1] and sorted(aux[1]) == [str(i) for i in range(1, ITERS + 1)]
+    assert len(set(aux[1].values())) > 1  # the load balance changes as the experts and their biases train
+
+
+def test_moe_with_post_validation_prints_megatrons_iteration_lines_and_moe_loss(runs):
+    """Two statistics groups (dense, experts) and two fp16 loss scalers; a step rolled back, steps skipped; the
+    load-balancing loss megatron averages over the iterations since the last line (here two) is the same."""
+    ours, reference = runs["pp4/moe/post-validation/fp16"], runs["pp4/moe/megatron/fp16"]
+    assert _iteration_lines(ours) == _iteration_lines(reference)
+    assert sorted(iteration_figures(reference)) == [1, 2, 4, 6] and "load_balancing_loss" in reference
+    assert validation_losses(ours) == validation_losses(reference) != []
+    assert "number of skipped iterations:   1" in reference  # the fp16 overflows were exercised
+    assert sum(int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", ours)) >= 1
+    assert "optimizer post-validation on" in ours
+
+
+def test_replanning_measures_the_moe_layers_like_any_other(runs, work_dir):
+    """Every stage's MoE layers: T_F, T_B and a deferred T_W measured, M_B and M_W in bytes, and a plan on them."""
+    from megatron.zero_bubble.schedules import Costs
+    from megatron.zero_bubble.schedules.schedule import Schedule
+
+    lines = SCHEDULE_LINE.findall(runs["pp4/moe/zb-auto"])
+    assert [(kind, schedule) for kind, schedule, _ in lines] == [("running", "zb-auto"), ("re-planned", "zb-auto")]
+    replanned = Schedule.from_json(open(os.path.join(work_dir, "dump-moe", "zb-auto-m8-iter5.json")).read())
+    costs = Costs.from_dict(replanned.info["costs"])
+    assert costs.memory_unit == "bytes" and len(costs.t_w) == 4
+    assert min(costs.t_f) > 0 and min(costs.t_b) > 0 and min(costs.t_w) > 0 and min(costs.m_w) > 0
 
 
 def test_save_then_load_resumes_a_zero_bubble_run_with_the_uninterrupted_losses(runs):
@@ -420,7 +517,7 @@ def test_saved_activation_bytes_counts_what_autograd_keeps_once_and_skips_weight
 
 
 def test_measured_costs_take_the_slowest_replica_of_each_virtual_stage():
-    from megatron.zero_bubble.runtime.replan import measured_costs
+    from megatron.zero_bubble.runtime.planning import measured_costs
 
     def report(pp_rank, t_f, t_b, t_w, bw=None):
         return {"pp_rank": pp_rank, "t_f": [t_f], "t_b": [t_b], "t_w": [t_w], "t_bw": [bw], "m_f": [100.0 * (pp_rank + 1)],
@@ -449,8 +546,8 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                 "--allow-padding-num-layers"], 2, ["--allow-padding-num-layers", "not implemented"]),
     "memory limit below one microbatch": (PP4 + ["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "0.5"], 4,
                                           ["--zero-bubble-max-pending-backward", "below one microbatch"]),
-    "overlap-grad-reduce with a split backward": (PP4 + ["--pipeline-schedule", "zb-h1", "--overlap-grad-reduce"], 4,
-                                                  ["--overlap-grad-reduce", "drop"]),
+    "megatron's own wgrad deferral with the runtime": (PP4 + ["--pipeline-schedule", "zb-h1", "--delay-wgrad-compute"],
+                                                       4, ["--delay-wgrad-compute", "backward_dw", "drop"]),
     "missing --data-path": (["--pipeline-model-parallel-size", "2", "--enable-zero-bubble", "--data-path",
                              "/nonexistent/corpus_text_document"], 2, ["--data-path", "corpus_text_document.bin"]),
     "pipeline schedule with PP=1": (["--pipeline-schedule", "zb-h1"], 1, ["--pipeline-model-parallel-size", "2 or more"]),
@@ -463,14 +560,9 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "post-validation with multi-token prediction": (
         PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--mtp-num-layers", "1"], 4,
         ["--mtp-num-layers", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
-    "post-validation with overlapped parameter gathers": (
-        PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--use-distributed-optimizer",
-               "--overlap-param-gather"], 4, ["--overlap-param-gather", "--enable-optimizer-post-validation"]),
     "variable sequence lengths": (PP4 + ["--enable-zero-bubble", "--sft"], 4, ["--sft", "variable sequence lengths"]),
     "post-validation with the parameter norm": (PP4 + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4,
                                                 ["--log-params-norm", "--enable-optimizer-post-validation"]),
-    "post-validation with zb-v": (PP4 + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation"], 4,
-                                  ["--enable-optimizer-post-validation", "--zero-bubble-v-schedule"]),
     "post-validation without a schedule": (PP4 + ["--enable-optimizer-post-validation"], 4,
                                            ["--enable-optimizer-post-validation", "--enable-zero-bubble"]),
     "exact rollback without post-validation": (PP4 + ["--enable-zero-bubble", "--zero-bubble-exact-rollback"], 4,
@@ -485,6 +577,22 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "timer window without the runtime": (PP4 + ["--pipeline-schedule", "1f1b", "--zero-bubble-pipeline-timers-end-iter", "3"],
                                          4, ["--zero-bubble-pipeline-timers-end-iter", "--enable-zb-runtime"]),
     "misspelled megatron flag": (["--num-layer", "8"], 1, ["unrecognized arguments: --num-layer 8", "--help"]),
+    "local experts with linear biases": (PP4 + ["--num-experts", "4"], 4, ["--num-experts", "--disable-bias-linear"]),
+    "grouped experts on CPU": (PP4 + MOE + ["--moe-grouped-gemm"], 4, ["--moe-grouped-gemm needs CUDA", "SequentialMLP"]),
+    "flex dispatcher on CPU": (PP4 + MOE + ["--moe-token-dispatcher-type", "flex"], 4,
+                               ["--moe-token-dispatcher-type flex needs CUDA", "alltoall"]),
+    "shared-expert overlap on CPU": (PP4 + MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
+                                     4, ["--moe-shared-expert-overlap needs CUDA", "drop"]),
+    "expert all-to-all overlap with the runtime": (PP4 + MOE + ["--enable-zero-bubble", "--overlap-moe-expert-parallel-comm"],
+                                                   4, ["--overlap-moe-expert-parallel-comm", "--enable-zero-bubble"]),
+    "post-validation with mixture of experts, good flags": (
+        PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4, None, MODEL + TRAIN_PV),
+    "post-validation with the MoE router trace": (
+        PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--moe-routing-trace-path", "trace"],
+        4, ["--moe-routing-trace-path", "--enable-optimizer-post-validation"], MODEL + TRAIN_PV),
+    "mixture of experts and sequence parallelism, good flags": (
+        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+         "--pipeline-schedule", "zb-h1", *MOE], 4, None),
     "no zero-bubble flag": ([], 1, None),
     "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
 }
@@ -594,8 +702,8 @@ def test_paths_sizes_and_names_are_refused_before_megatron_is_imported(label, tm
 def test_every_run_of_this_file_passes_the_early_checks_and_they_create_the_directories(tmp_path, monkeypatch):
     for label, flags in _command_lines(str(tmp_path)).items():
         assert _early_refusal(flags, 4, monkeypatch) is None, label
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-v"]  # created, and empty: the write check cleans up
-    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-v"))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-moe", "dump-v"]  # created, and empty: the write
+    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-moe", "dump-v"))  # check cleans up
 
 
 def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc: int) -> None:

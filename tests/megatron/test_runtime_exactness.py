@@ -5,6 +5,7 @@ slow part); the parent compares the reports with torch.equal.
 """
 import dataclasses
 import functools
+import time
 
 import pytest
 import torch
@@ -39,6 +40,50 @@ class Case:
     spec: ModelSpec = SPEC
     forward_only: bool = False
     patch_only: bool = False  # install the linear patch but run megatron's schedule
+    overlap: bool = False  # megatron DDP's overlapped gradient reduction, in small buckets
+    distributed: bool = False  # with overlap: the distributed optimizer and overlapped parameter gathers
+    slow_first_stage_s: float = 0.0  # > 0: every F on pipeline rank 0 takes this much longer; passes are timed
+    every_stage_buckets: bool = False  # patches/ddp_bucketing.py (with the distributed optimizer it moves shards)
+
+
+BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that their reductions can start apart
+
+
+def _ddp_config(case: Case):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    if not case.overlap:
+        return None
+    return DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_ELEMENTS,
+                                         use_distributed_optimizer=case.distributed,
+                                         overlap_param_gather=case.distributed)
+
+
+def _slow_on_first_stage(seconds: float, data_iterator, model):
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_rank() == 0:
+        time.sleep(seconds)
+    return harness.gpt_forward_step(data_iterator, model)
+
+
+def _recorded(function, events: list, event: tuple):
+    def call(*args, **kwargs):
+        events.append(event)
+        return function(*args, **kwargs)
+
+    return call
+
+
+def _record_reductions(chunks: list, events: list) -> None:
+    """Log ("reduce", chunk, bucket group) each time megatron DDP starts a bucket group's gradient reduction."""
+    for k, chunk in enumerate(chunks):
+        for i, group in enumerate(chunk.bucket_groups + chunk.expert_parallel_bucket_groups):
+            def start(*args, _original=group.start_grad_sync, _key=(k, i), **kwargs):
+                events.append(("reduce", *_key))
+                return _original(*args, **kwargs)
+
+            group.start_grad_sync = start
 
 
 def _run_case(case: Case) -> dict:
@@ -52,22 +97,47 @@ def _run_case(case: Case) -> dict:
     v_stages = case.layout.pp if case.schedule in V_SCHEDULES else None
     if v_stages is not None:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
-    with ZeroBubbleSession(executor, split_backward=case.schedule is not None or case.patch_only, v_stages=v_stages):
+    split = case.schedule is not None or case.patch_only
+    with ZeroBubbleSession(executor, split_backward=split, v_stages=v_stages,
+                           bucket_every_stage=case.every_stage_buckets):
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
         if case.ddp:
-            chunks = harness.wrap_in_ddp(chunks)
-        optimizer = harness.make_optimizer(chunks) if case.steps > 1 else None
+            chunks = harness.wrap_in_ddp(chunks, _ddp_config(case))
+        optimizer = None
+        if case.steps > 1:
+            from megatron.core.optimizer import OptimizerConfig
+
+            optimizer = harness.make_optimizer(chunks, OptimizerConfig(
+                optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=1.0, use_distributed_optimizer=case.distributed))
+        events = []  # of the last step: passes of our executor, reductions megatron's DDP starts
+        forward_step = harness.gpt_forward_step
+        if case.slow_first_stage_s:
+            forward_step = functools.partial(_slow_on_first_stage, case.slow_first_stage_s)
+            executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb, seconds))
+        if case.overlap and len(chunks) > 1 and case.distributed:  # as megatron.training does (align_param_gather)
+            chunks[0].config.param_sync_func = [_recorded(chunk.start_param_sync, events, ("param sync", k))
+                                                for k, chunk in enumerate(chunks)]
+        if case.overlap:
+            _record_reductions(chunks, events)
+            if executor is not None:
+                executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb))
         m, losses = case.microbatches, {}
         for step in range(case.steps):
+            events.clear()
             if optimizer is not None:
                 optimizer.zero_grad()
-            step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_only=case.forward_only)
+                for chunk in chunks:
+                    chunk.zero_grad_buffer()
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_step_func=forward_step,
+                                                       forward_only=case.forward_only)
             losses.update({(step, k): v for k, v in step_losses.items()})
             grads = {} if case.forward_only else harness.full_grads(chunks)  # the last step's gradients
             if optimizer is not None:
                 success, _, _ = optimizer.step()
                 assert success
+        for chunk in chunks if case.distributed else ():  # the last step's parameters, gathered
+            chunk.start_param_sync(force_sync=True)
         return {
             "dp_rank": parallel_state.get_data_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
@@ -75,6 +145,8 @@ def _run_case(case: Case) -> dict:
             "grads": grads,
             "params": harness.full_params(chunks),
             "stats": executor.last_stats if executor is not None else None,
+            "events": list(events),
+            "bucket_groups": [len(c.bucket_groups + c.expert_parallel_bucket_groups) for c in chunks] if case.ddp else [],
         }
 
 
@@ -99,6 +171,19 @@ CASES = [
     Case("pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", 4),
     Case("pp1/megatron/8", Layout(), None, 8, spec=SPEC8),
     *[Case(f"pp4/{s}", Layout(pp=4, vpp=2), s, 8, spec=SPEC8) for s in V_SCHEDULES],
+    # megatron DDP's overlapped reduction (and, distributed, overlapped parameter gathers): three Adam steps, the
+    # first of which megatron never overlaps (it learns each bucket's parameters then)
+    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
+           every_stage_buckets=s is not None) for s in (None,) + ZB_SCHEDULES],
+    # the same buckets on both sides: the distributed optimizer's shards follow them
+    *[Case(f"pp2xdp2/{s or 'megatron'}/overlap/distributed", Layout(pp=2), s, 4, ddp=True, steps=3, overlap=True,
+           distributed=True, every_stage_buckets=True) for s in (None, "zb-h1", "zb-auto")],
+    Case("pp1/megatron/adam", Layout(), None, 4, ddp=True, steps=3),
+    Case("pp2/zb-h1/timed", Layout(pp=2), "zb-h1", 4, slow_first_stage_s=0.2),
+    Case("pp2xdp2/zb-v/overlap", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True,
+         every_stage_buckets=True),
+    Case("pp2xdp2/zb-v/overlap/distributed", Layout(pp=2, vpp=2), "zb-v", 4, ddp=True, steps=3, overlap=True,
+         distributed=True, every_stage_buckets=True),
 ]
 
 
@@ -107,46 +192,23 @@ def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
-def _merged(per_rank):
-    """Per data-parallel replica: losses (from the last stage) and full grads/params of every parameter."""
-    merged = {}
-    for r in per_rank:
-        replica = merged.setdefault(r["dp_rank"], {"losses": {}, "grads": {}, "params": {}})
-        for key in ("losses", "grads", "params"):
-            replica[key].update(r[key])
-    return merged
-
-
-def _assert_identical(ours, reference, replicas=None):
-    ours, reference = _merged(ours), _merged(reference)
-    if replicas is None:
-        assert ours.keys() == reference.keys()
-    for dp in replicas or reference:
-        assert ours[dp]["losses"] == reference[dp]["losses"] and reference[dp]["losses"]
-        assert ours[dp]["grads"].keys() == reference[dp]["grads"].keys()
-        for name, grad in reference[dp]["grads"].items():
-            assert torch.equal(ours[dp]["grads"][name], grad), f"gradient of {name} differs"
-        for name, value in reference[dp]["params"].items():
-            assert torch.equal(ours[dp]["params"][name], value), f"parameter {name} differs"
-
-
 @pytest.mark.parametrize("schedule", ("1f1b",) + ZB_SCHEDULES)
 def test_pp4_gradients_and_losses_are_bit_identical_to_megatron_1f1b(reports, schedule):
-    _assert_identical(reports[f"pp4/{schedule}"], reports["pp4/megatron"])
+    harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp4/megatron"])
 
 
 def test_fewer_microbatches_than_stages_is_bit_identical(reports):
-    _assert_identical(reports["pp4/zb-h1/m3"], reports["pp4/megatron/m3"])
+    harness.assert_identical(reports["pp4/zb-h1/m3"], reports["pp4/megatron/m3"])
 
 
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_dp2_pp2_with_megatron_ddp_and_three_adam_steps_is_bit_identical(reports, schedule):
-    _assert_identical(reports[f"pp2xdp2/{schedule}"], reports["pp2xdp2/megatron"])
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}"], reports["pp2xdp2/megatron"])
 
 
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_tp2_pp2_is_bit_identical(reports, schedule):
-    _assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
+    harness.assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
 
 
 @pytest.mark.parametrize(
@@ -170,22 +232,94 @@ def test_measured_peak_activations_equal_the_planners_prediction(reports, label)
 
 
 def test_linear_patch_without_a_zero_bubble_schedule_changes_nothing(reports):
-    _assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
+    harness.assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
 
 
 def test_forward_only_evaluation_gives_megatrons_losses(reports):
-    ours, reference = _merged(reports["pp4/zb-h2/eval"]), _merged(reports["pp4/megatron/eval"])
+    ours, reference = (harness.merge_by_dp_rank(reports[label]) for label in ("pp4/zb-h2/eval", "pp4/megatron/eval"))
     assert ours[0]["losses"] == reference[0]["losses"] and len(reference[0]["losses"]) == 8
 
 
 def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(reports):
-    _assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
+    harness.assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
 
 
 def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
-    _assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
+    harness.assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
 
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedules_on_four_ranks_are_bit_identical_to_a_single_stage_run(reports, schedule):
-    _assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
+    harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
+
+
+@pytest.mark.parametrize("schedule", ("megatron",) + ZB_SCHEDULES)
+def test_overlapped_gradient_reduction_is_bit_identical_to_megatrons(reports, schedule):
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron/overlap"])
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron"])  # overlap changes nothing
+
+
+@pytest.mark.parametrize("schedule", ("zb-h1", "zb-auto"))
+def test_overlapped_reduction_and_parameter_gathers_with_the_distributed_optimizer_are_bit_identical(reports, schedule):
+    harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap/distributed"], reports["pp2xdp2/megatron/overlap/distributed"])
+
+
+def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(reports):
+    harness.assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
+
+
+def test_zb_v_with_the_distributed_optimizer_starts_each_chunks_parameter_gathers_and_keeps_the_parameters(reports):
+    """Two chunks per rank: megatron.training hands the schedule one param_sync_func per chunk (aligned gathers),
+    which the executor calls as an iteration begins. Parameters and losses as without the distributed optimizer
+    (a rank's gradient buffer holds reduced values only in its shards, so gradients are not compared)."""
+    harness.assert_identical(reports["pp2xdp2/zb-v/overlap/distributed"], reports["pp2xdp2/zb-v/overlap"], grads=False)
+    for report in reports["pp2xdp2/zb-v/overlap/distributed"]:
+        assert report["events"][:2] == [("param sync", 0), ("param sync", 1)]  # before the iteration's first pass
+
+
+@pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
+                         + [f"pp2xdp2/{s}/overlap/distributed" for s in ("zb-h1", "zb-auto")])
+def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(reports, label):
+    """In an iteration after the first (megatron learns each bucket's parameters in the first): every bucket
+    group's reduction starts exactly once, and the first one before the rank's last W pass ended (it fails if
+    every reduction starts after the passes). Every stage is bucketed (patches/ddp_bucketing.py); with several
+    W passes after a chunk's last B, the first reduction starts before the last W pass begins."""
+    for report in reports[label]:
+        events = report["events"]
+        reductions = [e[1:] for e in events if e[0] == "reduce"]
+        assert sorted(reductions) == [(k, i) for k, n in enumerate(report["bucket_groups"]) for i in range(n)]
+        passes = [i for i, e in enumerate(events) if e[0] == "pass"]
+        last_w = max(i for i in passes if events[i][1] == "W")
+        first_reduction = min(i for i, e in enumerate(events) if e[0] == "reduce")
+        assert first_reduction < last_w, (report["pp_rank"], events)
+        w_after_last_b = [i for i in passes if i > max(j for j in passes if events[j][1] == "B") and events[i][1] == "W"]
+        assert report["bucket_groups"][0] > 2  # the first chunk is bucketed on every stage
+        if len(w_after_last_b) > 1:
+            before_last_w = max(i for i in passes if i < last_w)
+            assert first_reduction < before_last_w, (report["pp_rank"], events)
+
+
+def test_the_overlap_test_sees_reductions_that_start_before_the_last_w_pass_begins(reports):
+    """zb-auto runs two W passes after the last B on the first stage and four on the second (the layer-by-layer
+    tail), so the stronger check of the test above runs on both."""
+    for report in reports["pp2xdp2/zb-auto/overlap"]:
+        kinds = [e[1] for e in report["events"] if e[0] == "pass"]
+        assert kinds[-3:] == ["B", "W", "W"] if report["pp_rank"] == 0 else kinds[-5:] == ["B", "W", "W", "W", "W"]
+
+
+def test_megatron_alone_buckets_only_the_first_stage(reports):
+    """What patches/ddp_bucketing.py changes: without it (megatron's own schedule) the second stage reduces in
+    one bucket."""
+    buckets = {r["pp_rank"]: r["bucket_groups"][0] for r in reports["pp2xdp2/megatron/overlap"]}
+    assert buckets[0] > 2 and buckets[1] == 1
+
+
+def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):
+    """Rank 0's forwards take 0.2 s longer, so rank 1 waits about that long for each activation: the time the
+    executor reports for rank 1's passes (what re-planning plans on) is its compute, not that wait."""
+    for report in reports["pp2/zb-h1/timed"]:
+        seconds = {op: max(e[4] for e in report["events"] if e[1] == op) for op in ("F", "B", "W")}
+        if report["pp_rank"] == 0:
+            assert seconds["F"] >= 0.2
+        else:
+            assert max(seconds.values()) < 0.1, seconds

@@ -4,7 +4,8 @@
     cpu_backend.install()               # core: schedules, GPTModel, DDP, optimizer
     cpu_backend.install(training=True)  # also Megatron's training loop (imports megatron.training)
 
-The patches live in cpu_backend_core.py and cpu_backend_training.py (one PatchSet each), on top of the
+The patches live in cpu_backend_core.py, cpu_backend_moe.py (MoE layers), cpu_backend_norm.py (the local
+spec's norm under sequence parallelism) and cpu_backend_training.py (one PatchSet each), on top of the
 import shims in imports.py; `uninstall()` restores every replaced attribute. On a machine with CUDA,
 `install()` raises PatchError unless `force=True`: GPU runs must not use it.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from . import cpu_backend_core
+from . import cpu_backend_core, cpu_backend_moe, cpu_backend_norm
 from .cpu_backend_core import cuda_available
 
 __all__ = ["cuda_available", "install", "installed", "uninstall"]
@@ -21,6 +22,8 @@ __all__ = ["cuda_available", "install", "installed", "uninstall"]
 def install(training: bool = False, force: bool = False) -> None:
     """Apply the core CPU patches, and with `training=True` the training-loop ones (idempotent)."""
     cpu_backend_core.install(force=force)
+    cpu_backend_moe.install(force=force)
+    cpu_backend_norm.install(force=force)
     if training:
         from . import cpu_backend_training  # imports megatron.training: only when asked for
 
@@ -28,10 +31,12 @@ def install(training: bool = False, force: bool = False) -> None:
 
 
 def uninstall() -> None:
-    """Undo everything `install()` applied (the training-loop part first, then the core part)."""
+    """Undo everything `install()` applied (the training-loop part first, the core part last)."""
     training = sys.modules.get(f"{__package__}.cpu_backend_training")
     if training is not None:
         training.uninstall()
+    cpu_backend_norm.uninstall()
+    cpu_backend_moe.uninstall()
     cpu_backend_core.uninstall()
 
 

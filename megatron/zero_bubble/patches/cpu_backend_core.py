@@ -25,7 +25,7 @@ import logging
 import torch
 
 from . import imports
-from ._patching import MegatronPatch, PatchError
+from ._patching import MegatronPatch, PatchError, PatchSet
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
@@ -42,6 +42,7 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.transformer.utils",  # default causal mask, built on middle stages
     "megatron.core.tensor_parallel.layers",  # weights created on current_device() (no CPU initialisation)
     "megatron.core.tensor_parallel.random",  # tracker.add seeds and reads the "cuda" generator
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gathers / scatters, MoE all-to-all outputs
     "megatron.core.utils",  # GlobalMemoryBuffer (p2p shapes), local l2 norm result
     "megatron.core.timers",  # synchronize and all-gather buffer when the training loop times things
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers, current_stream() in grad sync
@@ -56,6 +57,15 @@ MODULES_SEEING_CPU_AS_CUDA = (
 def cuda_available() -> bool:
     """Whether this process sees a CUDA device (the CPU backend is meant for machines that do not)."""
     return torch.cuda.is_available()
+
+
+def see_cpu_as_cuda(patches: PatchSet, module_names, cpu_torch: CpuTorch) -> None:
+    """Give each named megatron module `cpu_torch` as its global `torch` (every part of the CPU backend does so)."""
+    for name in module_names:
+        module = importlib.import_module(name)
+        if module.__dict__.get("torch") is not torch:
+            raise PatchError(f"patch '{patches.name}': {name}.torch is not the torch module")
+        patches.replace(module, "torch", cpu_torch)
 
 
 class CoreCpuBackend(MegatronPatch):
@@ -73,12 +83,7 @@ class CoreCpuBackend(MegatronPatch):
                 "CUDA is available: the CPU backend is for machines without a GPU (pass force=True to use it anyway)"
             )
         imports.install()  # megatron.core must import before it can be patched
-        cpu_torch = CpuTorch()
-        for name in MODULES_SEEING_CPU_AS_CUDA:
-            module = importlib.import_module(name)
-            if module.__dict__.get("torch") is not torch:
-                raise PatchError(f"patch 'cpu_backend_core': {name}.torch is not the torch module")
-            self.patches.replace(module, "torch", cpu_torch)
+        see_cpu_as_cuda(self.patches, MODULES_SEEING_CPU_AS_CUDA, CpuTorch())
         self._patch_rng_tracker()
         self._patch_clip_grads()
         self._patch_tied_embedding_setup()

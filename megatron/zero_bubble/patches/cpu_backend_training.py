@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
 from . import cpu_backend_core
-from ._patching import MegatronPatch, PatchError
+from ._patching import MegatronPatch
+from .cpu_backend_core import see_cpu_as_cuda
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 TRAINING_MODULES_SEEING_CPU_AS_CUDA = (
@@ -52,16 +51,9 @@ class TrainingCpuBackend(MegatronPatch):
         self.patches.replace(arguments, "get_device_arch_version", lambda: NO_GPU_ARCH_VERSION)
 
     def _see_cpu_as_cuda(self) -> None:
-        cpu_torch = CpuTorch()
-        for name in TRAINING_MODULES_SEEING_CPU_AS_CUDA:
-            self._replace_torch(importlib.import_module(name), cpu_torch)
+        see_cpu_as_cuda(self.patches, TRAINING_MODULES_SEEING_CPU_AS_CUDA, CpuTorch())
         # Only initialisation is told that there is a device; elsewhere is_available() stays False.
-        self._replace_torch(importlib.import_module("megatron.training.initialize"), CpuTorch(report_device=True))
-
-    def _replace_torch(self, module, cpu_torch: CpuTorch) -> None:
-        if module.__dict__.get("torch") is not torch:
-            raise PatchError(f"patch 'cpu_backend_training': {module.__name__}.torch is not the torch module")
-        self.patches.replace(module, "torch", cpu_torch)
+        see_cpu_as_cuda(self.patches, ("megatron.training.initialize",), CpuTorch(report_device=True))
 
     def _skip_cuda_only_setup(self) -> None:
         initialize = importlib.import_module("megatron.training.initialize")

@@ -3,14 +3,16 @@
 `install()` replaces `megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`,
 which both layers look up as a module global at every call. The replacement calls megatron's own function
 unless the weight carries a `WeightGradStore` (runtime/wgrad_store.py). For such weights the autograd
-function's forward is megatron's; its backward is megatron's too unless the store is active
-(`split_backward()`), in which case it computes only the B part:
+function's forward is megatron's, and its backward computes the B part:
 - grad_input = grad_output @ weight, with the same TP all-reduce or sequence-parallel reduce-scatter,
   and grad_bias as megatron computes it;
-- no weight gradient (None); instead a `DeferredLinearWeightGrad` holding the input activation (sharded
-  under sequence parallelism, all-gathered again in W) and grad_output is handed to `store.defer()`.
-Running that work later (W) computes the weight gradient with megatron's ops and accumulates it where
-megatron's backward would have put it (see `DeferredLinearWeightGrad.__call__`).
+- a `DeferredLinearWeightGrad` holding the input activation (sharded under sequence parallelism,
+  all-gathered again in W) and grad_output, handed to the store: deferred while the store is active
+  (`split_backward()`, a B pass), run at once otherwise (a fused BW pass).
+Running that work computes the weight gradient with megatron's ops and accumulates it where megatron's
+backward would have put it (see `DeferredLinearWeightGrad.__call__`). The weight enters the autograd graph
+detached, so its gradient is never autograd's: megatron DDP's per-parameter hook does not fire for it
+(during a B pass it would see no gradient); the store tells DDP instead when the gradient is complete.
 
 Not split (megatron's backward runs unchanged): Transformer Engine layers (they have their own
 delay_wgrad_compute / backward_dw), megatron's embedding wgrad deferral (grad_output_buffer), GTP weight
@@ -98,7 +100,9 @@ def deferrable_linear(
     if store is None or grad_output_buffer is not None or gtp_remat_size > 1:
         return original_linear()(*args)
     tp_group = _layers().get_tensor_model_parallel_group_if_none(tp_group)
-    return _DeferrableLinear.apply(*args[:8], tp_group, gtp_remat_size, store)
+    # Detached, and the Parameter itself inside a tuple (autograd looks at tensor arguments only): the weight's
+    # gradient is the store's to accumulate (no AccumulateGrad node, so no DDP hook).
+    return _DeferrableLinear.apply(input, weight.detach(), *args[2:8], tp_group, gtp_remat_size, store, (weight,))
 
 
 class _DeferrableLinear(torch.autograd.Function):
@@ -106,26 +110,26 @@ class _DeferrableLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        *megatron_args, store = args
+        *megatron_args, store, (weight,) = args
         ctx.wgrad_store = store
         # The Parameter itself, not what ctx.saved_tensors unpacks: under saved-tensor hooks (activation
         # offloading) that is a copy without main_grad, and W would accumulate into a throw-away tensor.
-        ctx.weight_param = megatron_args[1]
-        # megatron's forward (with its custom_fwd autocast bookkeeping) fills ctx exactly as it would.
-        return _layers().LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *megatron_args)
+        ctx.weight_param = weight
+        # megatron's forward (with its custom_fwd autocast bookkeeping) fills ctx exactly as it would, but
+        # reads main_grad from the tensor it gets, here the detached one: take the Parameter's.
+        output = _layers().LinearWithGradAccumulationAndAsyncCommunication.forward(ctx, *megatron_args)
+        ctx.main_grad = getattr(weight, "main_grad", None) if ctx.gradient_accumulation_fusion else None
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        layers = _layers()
-        if not ctx.wgrad_store.active:
-            grads = layers.LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
-        else:
-            grads = layers.custom_bwd(_input_grad_and_defer)(ctx, grad_output)
-        return (*grads, None)
+        grads = _layers().custom_bwd(_input_grad_and_hand_over)(ctx, grad_output)
+        return (*grads, None, None)
 
 
-def _input_grad_and_defer(ctx, grad_output):
-    """B of megatron's backward: grad_input (with its TP collective) and grad_bias; W goes to the store."""
+def _input_grad_and_hand_over(ctx, grad_output):
+    """B of megatron's backward: grad_input (with its TP collective) and grad_bias; W goes to the store, which
+    defers it (B pass) or runs it now (BW pass: the same GEMM and accumulation as megatron's backward)."""
     layers = _layers()
     input, weight = ctx.saved_tensors
     tp_group = ctx.tp_group
@@ -143,7 +147,7 @@ def _input_grad_and_defer(ctx, grad_output):
     # (prepare_input_tensors_for_wgrad_compute: contiguous, then [s, b, h] viewed as [s*b, h]).
     grad_output = grad_output.contiguous()
     grad_bias = _as_2d(grad_output).sum(dim=0) if ctx.use_bias else None
-    ctx.wgrad_store.defer(DeferredLinearWeightGrad(ctx, input, ctx.weight_param, grad_output))
+    ctx.wgrad_store.hand_over(DeferredLinearWeightGrad(ctx, input, ctx.weight_param, grad_output))
 
     if handle is not None:
         handle.wait()

@@ -4,15 +4,16 @@
 never decides order: it walks the lowered program of its pipeline rank (compute passes with the sends and
 receives between them) and runs F with Megatron's own `forward_step`, B with the weight-gradient part
 deferred into the chunk's WeightGradStore, W by running that store's oldest microbatch, and BW as
-Megatron's ordinary backward. With optimizer post-validation, the V pass validates the previous step and,
-when that step had to be redone, replays this rank's passes from the start (see post_validation.py).
+Megatron's ordinary backward. With optimizer post-validation, the S pass after the rank's last pass adds
+its gradient statistics to the partial sums of the step, and the V pass validates the previous step and,
+when that step had to be redone, replays this rank's passes from the start (see post_validation.py); the
+executor reaches the controller through the `StepValidation` interface only.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -21,9 +22,28 @@ from ..schedules.costs import Costs
 from ..schedules.ops import Kind, Op
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
-from .p2p import PipelineTransport
-from .replay import Rewind, ValidationPass
+from .p2p import PipelineTransport, current_device
+from .replay import Rewind
 from .wgrad_store import WeightGradStore
+
+
+class StepValidation(Protocol):
+    """What the executor needs of optimizer post-validation (post_validation.PostValidation)."""
+
+    size: int  # elements of the summaries that the S and V passes send
+    has_pending: bool  # a speculative step waits for its validation
+
+    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
+        """S: this rank's gradient statistics added to the partial sums (None: first of the chain)."""
+
+    def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
+
+    def settle(self) -> bool:
+        """Apply the verdict of the last V (once the sums went on); False (a no-op) when there is none."""
+
+    def flush(self) -> None:
+        """Validate a pending step outside an iteration (every rank at the same point)."""
 
 
 @dataclass
@@ -41,19 +61,53 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
 
 
-def _combined(funcs):
-    """Megatron keeps one no_sync/grad_sync function per model chunk when there are several."""
-    if funcs is None or not isinstance(funcs, (list, tuple)):
-        return funcs
+def pipeline_tensor_shape(config, pg_collection, seq_length: int, micro_batch_size: int,
+                          decoder_seq_length: int | None = None) -> tuple[int, ...]:
+    """The shape of the activations and gradients that travel between stages, as megatron's schedules make it."""
+    from megatron.core.pipeline_parallel import schedules as mcore
 
-    @contextlib.contextmanager
-    def all_chunks():
-        with contextlib.ExitStack() as stack:
-            for f in funcs:
-                stack.enter_context(f())
-            yield
+    return tuple(mcore.get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+        config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp,
+    )[0])
 
-    return all_chunks
+
+class ChunkGradSync:
+    """Megatron's no_sync around each chunk's backward passes but its last one, as megatron's schedules do:
+    until then megatron DDP counts no parameter as ready; in the last one the hooks (and the stores'
+    grad_ready for deferred weights) register each parameter, and a bucket's reduction starts once all of
+    its parameters are in (overlap_grad_reduce). Entered lazily, before a backward pass: post-validation
+    may zero the gradient buffers in the V pass, which resets DDP's flag. Megatron keeps one no_sync
+    function per chunk when there are several."""
+
+    def __init__(self, no_sync_func, num_chunks: int):
+        funcs = list(no_sync_func) if isinstance(no_sync_func, (list, tuple)) else [no_sync_func]
+        self._per_chunk = len(funcs) == num_chunks
+        self._funcs = funcs
+        self._open: dict[int, object] = {}  # index into funcs -> its entered context
+
+    def before_backward(self, chunk: int, last: bool) -> None:
+        index = chunk if self._per_chunk else 0
+        if last:
+            self._leave(index)
+        elif index not in self._open and self._funcs[index] is not None:
+            self._open[index] = self._funcs[index]()
+            self._open[index].__enter__()
+
+    def release_all(self) -> None:
+        for index in list(self._open):
+            self._leave(index)
+
+    def _leave(self, index: int) -> None:
+        context = self._open.pop(index, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+def _per_chunk(funcs, num_chunks: int) -> list:
+    if funcs is None:
+        return []
+    return list(funcs) if isinstance(funcs, (list, tuple)) else [funcs] * num_chunks
 
 
 class PipelineExecutor:
@@ -62,12 +116,13 @@ class PipelineExecutor:
     plan_for(num_microbatches) returns the Schedule to run (the same object while the plan is unchanged,
     so its lowering is computed once). pass_timer, when set, is called with (op, chunk, mb, seconds) for
     every pass; timing synchronises the device, so enable it only for profiling windows. post_validation,
-    when set, is the PostValidation whose pending optimizer step the schedules' V passes validate.
+    when set, is the StepValidation whose optimizer step the schedules' S and V passes serve.
     split_backward_ready, when given, answers whether megatron's linear layers can defer their W into the
     stores (the integration layer's patch is in force); split schedules are refused while it says no.
     """
 
-    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None, post_validation=None,
+    def __init__(self, plan_for: Callable[[int], Schedule], pass_timer: Callable | None = None,
+                 post_validation: StepValidation | None = None,
                  split_backward_ready: Callable[[], bool] | None = None):
         self.plan_for = plan_for
         self.pass_timer = pass_timer
@@ -90,6 +145,12 @@ class PipelineExecutor:
                 store.attach(chunk)
             self._attached_to = [id(c) for c in chunks]
         return self.stores
+
+    def _prepare_stores(self, chunks: list) -> None:
+        """With megatron DDP's overlapped reduction, the stores report deferred weights through DDP's own hook."""
+        for store, chunk in zip(self.stores, chunks):
+            overlap = getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)
+            store.grad_ready = self.internals().grad_ready_hook(chunk) if overlap else None
 
     def internals(self):
         if self.megatron_internals is None:
@@ -144,11 +205,12 @@ class PipelineExecutor:
             return
         if self.post_validation is not None and not schedule.has_post_validation():
             raise ScheduleError(
-                f"optimizer post-validation is on, but the schedule '{schedule.name}' has no V passes "
+                f"optimizer post-validation is on, but the schedule '{schedule.name}' has no S and V passes "
                 f"(plan it with post_validation=True)"
             )
         if self.post_validation is None and schedule.has_post_validation():
-            raise ScheduleError(f"the schedule '{schedule.name}' has V passes but optimizer post-validation is off")
+            raise ScheduleError(
+                f"the schedule '{schedule.name}' has S and V passes but optimizer post-validation is off")
 
     def check_runtime_support(self, schedule: Schedule, chunks: list) -> None:
         """Refuse, before any pass, what this runtime cannot run correctly or usefully."""
@@ -159,12 +221,6 @@ class PipelineExecutor:
             raise ScheduleError(
                 f"the schedule '{schedule.name}' splits the backward, but the B/W split of the linear layers "
                 f"is not installed (megatron.zero_bubble.patches.linear_wgrad.install())"
-            )
-        if any(getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False) for c in chunks):
-            # DDP's per-parameter hooks would launch reductions before the deferred W has accumulated.
-            raise ValueError(
-                "--overlap-grad-reduce is not supported with zero-bubble schedules yet; drop the flag "
-                "(gradients are then reduced once after the last W)"
             )
 
     # -- the megatron-compatible entry ---------------------------------------------------------------
@@ -209,39 +265,29 @@ class PipelineExecutor:
         run, program, rollback = self._program(schedule, rank, forward_only)
         rewind = None
         if rollback is not None and self.post_validation.has_pending:  # the V pass may ask for a replay
-            rewind = Rewind(iterators)
+            rewind = Rewind(iterators, self.internals().forward_accumulators(chunks))
             iterators = rewind.iterators
-        shape = mcore.get_tensor_shapes(
-            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-            config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp,
-        )[0]
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        shape = pipeline_tensor_shape(config, pg_collection, seq_length, micro_batch_size, decoder_seq_length)
+        device = current_device()
         iteration = _Iteration(
             executor=self, mcore=mcore, schedule=run, rank=rank, chunks=chunks, iterators=iterators,
             config=config, forward_step_func=forward_step_func, num_microbatches=num_microbatches,
             cp_size=pg_collection.cp.size(), forward_only=forward_only,
             collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            transport=PipelineTransport(pp_group, tuple(shape), config.pipeline_dtype, device,
+            transport=PipelineTransport(pp_group, shape, config.pipeline_dtype, device,
                                         validation_numel=self.post_validation.size if self.post_validation else 0),
-            device=device,
-            stores=self._stores_for(chunks), rollback=rollback, rewind=rewind,
+            device=device, stores=self._stores_for(chunks), rollback=rollback, rewind=rewind,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce,
         )
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        no_sync = _combined(config.no_sync_func) or contextlib.nullcontext
-        with no_sync():  # gradients are reduced once, after the last W, as megatron does after its last backward
-            iteration.run(program)
         if not forward_only:
-            grad_sync = config.grad_sync_func
-            for k, chunk in enumerate(chunks if grad_sync is not None else []):
-                (grad_sync[k] if isinstance(grad_sync, list) else grad_sync)(chunk.parameters())
-            if config.finalize_model_grads_func is not None:
-                config.finalize_model_grads_func(
-                    chunks,
-                    iteration.total_num_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=pg_collection,
-                    force_all_reduce=force_all_reduce,
-                )
+            iteration.grad_sync = ChunkGradSync(config.no_sync_func, len(chunks))
+            self._prepare_stores(chunks)
+            for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
+                param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules start them
+        iteration.run(program)
+        iteration.finish_backward()
         if config.timers is not None:
             config.timers("forward-backward").stop()
         self.last_stats = iteration.stats
@@ -249,7 +295,7 @@ class PipelineExecutor:
 
 
 @dataclass
-class _Iteration(ValidationPass):
+class _Iteration:
     """The state of one forward-backward call: tensors in flight between passes of this rank."""
 
     executor: PipelineExecutor
@@ -270,44 +316,133 @@ class _Iteration(ValidationPass):
     stores: list[WeightGradStore]
     rollback: object = None  # this rank's RollbackProgram when the schedule has a V pass
     rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
-    unvalidated: object = None  # the full sums, applied once they are sent on (see replay.ValidationPass)
+    pg_collection: object = None
+    force_all_reduce: bool | None = False
+    grad_sync: ChunkGradSync | None = None  # megatron's no_sync per chunk (training only)
+    backward_finished: bool = False
     forward_data_store: list = field(default_factory=list)
     saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
     outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
     handoff: dict = field(default_factory=dict)  # tensors crossing between two chunks of this rank (a V's turn)
+    received: dict = field(default_factory=dict)  # Message -> tensor, waited for before its pass (_await_inputs)
     started_chunks: set = field(default_factory=set)
     in_flight: int = 0
     stats: IterationStats = field(default_factory=IterationStats)
 
     def __post_init__(self):
         self.last_vstage = self.schedule.num_virtual_stages - 1
+        # each chunk's last backward pass: megatron's gradient sync for the chunk starts right before it
+        self.last_backward = {p.chunk: p for p in self.schedule.ranks[self.rank] if p.op in (Op.B, Op.BW)}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
     def run(self, program: list) -> None:
+        settle = self.settle
         for item in program:
             if isinstance(item, Recv):
                 self.transport.post_recv(item.msg)
             elif isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
                 self.transport.post_send(item.msg, tensor, on_done)
-                self.apply_validation()  # right after the result went on (a no-op for other sends)
+                settle()  # right after V's result went on (a no-op after other sends)
             elif item.op == Op.V:
-                if self.validation_pass(item):
+                if self.validate_step(item):
                     self.replay()
                     return
+            elif item.op == Op.S:
+                self.step_statistics(item)
             else:
-                self.apply_validation()  # no pass may run on weights that are not validated yet
+                settle()  # no pass may run on weights that are not validated yet
                 self.transport.reap_sends()
+                self._await_inputs(item)
                 start = self._clock()
                 {Op.F: self.forward, Op.B: self.backward, Op.BW: self.backward, Op.W: self.weight}[item.op](item)
                 if self.executor.pass_timer is not None:
                     self.executor.pass_timer(item.op, item.chunk, item.mb, self._clock() - start)
                 self._account()
-        self.apply_validation()
+        settle()
         self.transport.finish()
         for store in self.stores:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
+
+    def finish_backward(self) -> None:
+        """Reduce the gradients, as megatron does after its last backward (once: before S, whose statistics
+        need the reduced gradients, or at the end). finalize_model_grads starts what has not started and
+        waits for every bucket. Megatron's grad_sync_func (--align-grad-reduce) is not called: it would start
+        again the buckets that started as they became ready."""
+        if self.forward_only or self.backward_finished:
+            return
+        self.backward_finished = True
+        self.grad_sync.release_all()
+        if self.config.finalize_model_grads_func is not None:
+            self.config.finalize_model_grads_func(
+                self.chunks,
+                self.total_num_tokens if self.config.calculate_per_token_loss else None,
+                pg_collection=self.pg_collection,
+                force_all_reduce=self.force_all_reduce,
+            )
+
+    # -- the post-validation passes (post_validation.py) -----------------------------------------------
+    def _summary_link(self, p: Pass) -> tuple[torch.Tensor | None, object]:
+        """What a once-per-rank pass receives (None: it is first of its chain) and the message it sends on
+        (None: it is last)."""
+        need = consumed(self.schedule, self.rank, p)
+        incoming = self.transport.wait_recv(need) if need is not None else None
+        return incoming, produced(self.schedule, self.rank, p)
+
+    def step_statistics(self, p: Pass) -> None:
+        """S: after the gradients are reduced, add this rank's statistics to the step's partial sums."""
+        self.finish_backward()
+        partial, out = self._summary_link(p)
+        sums = self.executor.post_validation.statistics(partial, final=out is None)
+        if out is not None:
+            self.outgoing[out] = (sums, None)
+
+    def validate_step(self, p: Pass) -> bool:
+        """V: receive the previous step's full sums and pass them on; True when this iteration must replay what
+        it ran so far. The verdict is settled after the sums went on (or at once when this rank is last)."""
+        result, out = self._summary_link(p)
+        controller = self.executor.post_validation
+        summary, replay = controller.receive_result(result)
+        if out is not None:
+            self.outgoing[out] = (summary, None)
+        else:
+            self.settle()
+        return replay
+
+    def settle(self) -> None:
+        """Apply a verdict that waits. It may move the loss scale, which the forward passes before V already
+        handed to megatron's auxiliary losses (MoE) for the backward passes that follow: hand them the new one."""
+        controller = self.executor.post_validation
+        if controller is not None and controller.settle():
+            self.executor.internals().reset_forward_loss_scales(self.config, self.num_microbatches, self.cp_size)
+
+    def replay(self) -> None:
+        """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
+        if self.rewind is None:
+            raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
+        settle = self.settle
+        for item in self.rollback.after_validation:
+            if isinstance(item, Send):
+                tensor, on_done = self.outgoing.pop(item.msg)
+                self.transport.post_send(item.msg, tensor, on_done)
+                settle()
+            else:  # a message its sender computed before its own V: received and dropped
+                self.transport.post_recv(item.msg)
+                self.transport.wait_recv(item.msg)
+        settle()
+        self.transport.reap_sends(block=True)
+        for held in (self.outgoing, self.saved, self.handoff, self.received, self.forward_data_store,
+                     self.started_chunks):
+            held.clear()
+        self.total_num_tokens.zero_()
+        self.in_flight = 0
+        self.rewind.rewind()
+        timer, self.executor.pass_timer = self.executor.pass_timer, None  # replays would skew measured costs
+        try:
+            self.run(self.rollback.restart)
+        finally:
+            self.executor.pass_timer = timer
 
     def _clock(self) -> float:
         if self.executor.pass_timer is not None and self.device.type == "cuda":
@@ -320,9 +455,20 @@ class _Iteration(ValidationPass):
         s.peak_in_flight = max(s.peak_in_flight, self.in_flight)
         s.peak_wgrad_bytes = max(s.peak_wgrad_bytes, sum(st.pending_bytes for st in self.stores))
 
+    def _await_inputs(self, p: Pass) -> None:
+        """Wait, before the pass's clock starts (measured costs are its compute alone), for the message it
+        consumes and, for a backward, for the send of its forward's output (freed before megatron's backward)."""
+        need = consumed(self.schedule, self.rank, p)
+        if need is not None:
+            self.received[need] = self.transport.wait_recv(need)
+        if p.op in (Op.B, Op.BW):
+            sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
+            if sent is not None:
+                self.transport.complete_send(sent)
+
     def _incoming(self, p: Pass, kind: str, vstage: int):
         need = consumed(self.schedule, self.rank, p)
-        return self.transport.wait_recv(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
+        return self.received.pop(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
 
     def _outgoing(self, p: Pass, kind: str, tensor, to_vstage: int, on_done=None) -> None:
         msg = produced(self.schedule, self.rank, p)
@@ -362,17 +508,17 @@ class _Iteration(ValidationPass):
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         input_tensor, output = self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
-        if sent is not None:
-            self.transport.complete_send(sent)  # the output must be freed before megatron's custom_backward
         output_grad = None if vs == self.last_vstage else self._incoming(p, Kind.GRAD, vs)
         store = self.stores[p.chunk]
+        last = p == self.last_backward[p.chunk]
+        self.grad_sync.before_backward(p.chunk, last)
         if p.op == Op.B:
             with store.split_backward():
                 input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
-            store.close_microbatch(p.mb)
+            store.close_microbatch(p.mb, last=last)
         else:
-            input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
+            with store.fused_backward(last):
+                input_grad = self.mcore.backward_step(input_tensor, output, output_grad, self.config)
             self.in_flight -= 1
         if vs > 0:
             self._outgoing(p, Kind.GRAD, input_grad, vs - 1)

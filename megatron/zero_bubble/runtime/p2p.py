@@ -10,14 +10,19 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.comm import Message
-from ..schedules.ops import Kind
+from ..schedules.ops import carries_microbatch
+
+
+def current_device() -> torch.device:
+    """Where pipeline tensors live: this process's CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class PipelineTransport:
     def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  validation_numel: int = 0):
         self.group = pp_group
-        self.validation_numel = validation_numel  # the optimizer's validation sums (post_validation.py)
+        self.validation_numel = validation_numel  # the optimizer step's summaries (post_validation.py)
         self.shape, self.dtype, self.device = shape, dtype, device
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object]] = {}
@@ -26,7 +31,7 @@ class PipelineTransport:
         return dist.get_global_rank(self.group, group_rank)
 
     def post_recv(self, msg: Message) -> None:
-        if msg.kind == Kind.VALID:
+        if not carries_microbatch(msg.kind):  # a summary of the optimizer step (V, S)
             buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.device)
         else:  # megatron receives activations and gradients into leaf tensors that require grad
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
@@ -41,7 +46,7 @@ class PipelineTransport:
 
     def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None) -> None:
         """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output)."""
-        if msg.kind == Kind.VALID:
+        if not carries_microbatch(msg.kind):
             self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor, on_done)
             return
         if tuple(tensor.shape) != self.shape:

@@ -2,17 +2,22 @@
 
 Megatron's step all-reduces the gradient norm and the inf/NaN flag over the model-parallel group, every
 pipeline stage included, which keeps the next iteration from starting before the slowest stage ends.
-Here (paper, "bypassing optimizer synchronizations") stage r receives the partial sums from stage r-1,
-adds its own squared norm (already reduced over its tensor-parallel group, as megatron does), passes them
-on and steps speculatively unless the partial sums already show inf/NaN or a needed clip. The last stage
-holds the full sums; they travel back to every stage in the next iteration's V pass, where `validate`
-rolls a speculative step back (and re-steps with the clip coefficient) when needed and tells the
-executor whether the passes that ran before V, on speculative weights, must be replayed.
+Here (paper, "bypassing optimizer synchronizations") the schedule's S pass, after a rank's last pass,
+adds the rank's squared norm (reduced over its tensor-parallel group, as megatron does) to the partial
+sums from the rank before it in the statistics chain and passes them on; the rank then steps
+speculatively unless the partial sums already show inf/NaN or a needed clip. The last rank of the chain
+(schedules/post_validation.py) holds the full sums; they travel back to every rank in the next
+iteration's V passes, where the rank rolls a speculative step back (and re-steps with the clip
+coefficient) when needed and tells the executor whether the passes that ran before V, on speculative
+weights, must be replayed. Both summaries travel as messages of the schedule's lowering.
 
-The squared norms travel per rank of megatron's statistics group (model-parallel ranks; every rank with
-the distributed optimizer) and are added in descending rank order, the order gloo's all-reduce of one
-element uses (checked at 4 ranks), so the full norm equals megatron's on gloo; with NCCL it may differ by
-an ulp (so may clipped steps with the exact rollback).
+The executor talks to this controller through four calls (executor.StepValidation): `statistics` (S),
+`receive_result` and `settle` (V), `flush` (a pending step validated outside an iteration).
+
+The squared norms travel per rank of megatron's statistics groups (model-parallel ranks; with MoE also
+the expert group's; every rank with the distributed optimizer), laid out and added up as megatron reduces
+them (step_statistics.py), so the full norm equals megatron's on gloo; with NCCL it may differ by an ulp
+(so may clipped steps with the exact rollback).
 """
 from __future__ import annotations
 
@@ -24,11 +29,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import optimizer_rollback
+from ..schedules.comm import Recv, Send, consumed, lower
+from ..schedules.post_validation import validation_only
+from . import optimizer_rollback, step_statistics
+from .p2p import PipelineTransport, current_device
 
-# Layout of the summary tensor that travels between stages: one squared norm per rank of the statistics
-# group (in its rank order), then these three.
-NONFINITE, SPECULATIVE, PENDING = range(-3, 0)
+# The summary tensor that travels between stages: squared norms and inf flags (step_statistics.SummaryLayout),
+# then these two.
+SPECULATIVE, PENDING = range(-step_statistics.STEP_FLAGS, 0)
 
 
 class StepState(StrEnum):
@@ -37,11 +45,18 @@ class StepState(StrEnum):
     STEPPED = "stepped"  # speculatively, on partial sums that showed nothing wrong
     DEFERRED = "deferred"  # not yet: the partial sums already need a clip, so it waits for the full ones
     SKIPPED = "skipped"  # inf/NaN in the partial sums
-    EXACT = "exact"  # the last stage: its partial sums are the full ones
+    EXACT = "exact"  # the last rank of the statistics chain: its partial sums are the full ones
 
 
-def summary_size(stats_ranks: int) -> int:
-    return stats_ranks + 3
+@dataclass
+class _Statistics:
+    """What this rank's S pass found, for the step that follows it."""
+
+    summary: torch.Tensor  # the partial sums up to this rank (the full ones on the chain's last rank)
+    norm: float  # the grad norm those sums give
+    clip: bool  # whether they already call for clipping
+    state: "StepState"
+    final: bool  # this rank holds the full sums
 
 
 @dataclass
@@ -49,6 +64,7 @@ class _Pending:
     """What stage r did in its step, kept until the full sums arrive."""
 
     state: StepState
+    final: bool  # this rank held the full sums: its step was exact, and it logged the verdict at once
     hyperparameters: list  # per leaf optimizer: [(lr, weight_decay)] per param group at step time
     undo: list  # per leaf optimizer: a Snapshot (exact) or a StepRecord (in-place inverse), "stepped" only
     scheduler_steps: int | None  # the LR scheduler's num_steps before train_step advanced it
@@ -74,79 +90,93 @@ class PostValidation:
     a ChainedOptimizer of those); pp_group: this rank's pipeline group; stats_group: the group megatron
     reduces gradient statistics over (its model-parallel group; the world with the distributed optimizer);
     stage_group: the part of it in this stage (tensor-parallel ranks; with the distributed optimizer also
-    the data-parallel ones); exact: keep snapshots for bit-exact rollback instead of inverting in place.
+    the data-parallel ones); blocks: instead of those two, megatron's reductions one by one where its leaf
+    optimizers reduce over different groups (MoE: step_statistics.blocks_for); exact: keep snapshots for
+    bit-exact rollback instead of inverting in place; layout and chunks: the schedule's, which fix the order
+    in which the result walks the ranks (flush).
     """
 
     optimizer: object
     pp_group: object
     stage_group: object = None
     stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
+    blocks: list | None = None  # step_statistics.Block per reduction; None: one, over stats_group
     exact: bool = False
     scheduler: object = None
+    layout: str = "single"
+    chunks: int = 1
     zero_grad_owed: list = field(default_factory=list)  # deferred zero_grad calls, run after validation
     pending: _Pending | None = None
-    final: torch.Tensor | None = None  # the full sums, on the last stage, until sent in the next V
+    final: torch.Tensor | None = None  # the full sums, on the chain's last rank, until sent in the next V
     last_outcome: Outcome | None = None
     rollbacks: int = 0  # speculative steps this stage undid
-    rolled_back_steps: int = 0  # on the last stage: steps that some stage undoes (known there at once)
-    _partial_send: object = None
+    rolled_back_steps: int = 0  # steps that some stage undoes (the full sums' holder knows at once, others at V)
+    _statistics: _Statistics | None = None  # from this iteration's S pass, for the step
+    _unsettled: torch.Tensor | None = None  # the full sums received in V, applied once they went on
     # megatron's private optimizer methods (patches/megatron_private.py), handed in by the patch that puts
     # this controller in charge of the step (patches/optimizer_step.py)
     megatron_internals: object = None
 
     @classmethod
     def for_optimizer(cls, optimizer, **kwargs) -> "PostValidation":
-        """With the groups megatron's parallel state gives this optimizer: its statistics group, and the part of
-        it in this stage (tensor-parallel; also data-parallel where the distributed optimizer shards state)."""
-        from megatron.core import parallel_state
+        """With the groups megatron's parallel state gives this optimizer: its leaves' statistics groups, and the
+        part of each in this stage (tensor-parallel; expert tensor- and expert-parallel for the expert leaf; also
+        data-parallel where the distributed optimizer shards state)."""
+        from megatron.core import parallel_state as ps
 
         leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-        if any(getattr(getattr(leaf, "ddp_config", None), "use_distributed_optimizer", False) for leaf in leaves):
-            stage_group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        else:
-            stage_group = parallel_state.get_tensor_model_parallel_group()
-        return cls(optimizer, pp_group=parallel_state.get_pipeline_model_parallel_group(), stage_group=stage_group,
-                   stats_group=optimizer.get_grad_stats_parallel_group() or dist.group.WORLD, **kwargs)
+        stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(stage), [
+            ps.get_tensor_model_parallel_group, ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
+        return cls(optimizer, pp_group=ps.get_pipeline_model_parallel_group(), stage_group=blocks[0].stage_group,
+                   blocks=blocks, **kwargs)
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
-        self.stats_ranks = dist.get_process_group_ranks(self.stats_group or self.pp_group)
-        self.stage_ranks = dist.get_process_group_ranks(self.stage_group) if self.stage_group is not None else [dist.get_rank()]
-        self.size = summary_size(len(self.stats_ranks))
         self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        if self.blocks is None:
+            self.blocks = [step_statistics.Block.of(self.stats_group or self.pp_group, range(len(self.leaves)),
+                                                    self.stage_group)]
+        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves))
+        self.size = self.stats.size
+        self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
 
-    # -- the step (replaces optimizer.step()) --------------------------------------------------------
+    # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
     @torch.no_grad()
-    def step(self):
-        """Megatron's (success, grad_norm, num_zeros); grad_norm is known (and returned) on the last stage only."""
+    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
+        """S: add this rank's gradient statistics to the partial sums (None on the chain's first rank) and
+        decide this rank's step; returns the sums to pass on (the full sums when `final`)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
-        nonfinite = self._prepare_grads()
-        squares = self._squared_norm()
-        local = torch.stack([squares, torch.tensor(float(nonfinite or not torch.isfinite(squares)), device=self.device)])
-        gathered = [local]
-        if len(self.stage_ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
-            gathered = [torch.empty_like(local) for _ in self.stage_ranks]
-            dist.all_gather(gathered, local, group=self.stage_group)
-        summary = torch.zeros(self.size, dtype=torch.float, device=self.device)
-        if self.stage > 0:
-            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
-        for rank, value in zip(self.stage_ranks, gathered):
-            summary[self.stats_ranks.index(rank)] = value[0]
-            summary[NONFINITE] = max(float(summary[NONFINITE]), float(value[1]))
-        last = self.stage == self.stages - 1
-        norm = self._norm(summary[:NONFINITE])
+        found_inf = self._prepare_grads()
+        summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
+        for index, block in enumerate(self.blocks):
+            local = torch.stack([self._squared_norm(block), *(found_inf[leaf] for leaf in block.leaves)])
+            ranks, gathered = block.stage_ranks, [local]
+            if len(ranks) > 1:  # every rank's own value, so that the sum can follow megatron's order
+                gathered = [torch.empty_like(local) for _ in ranks]
+                dist.all_gather(gathered, local, group=block.stage_group)
+            for rank, value in zip(ranks, gathered):
+                self.stats.add_stage(summary, index, rank, value[0], value[1:])
+        norm = self.stats.norm(summary)
         clip = self._needs_clip(norm)
-        state = (StepState.SKIPPED if summary[NONFINITE] > 0 else StepState.EXACT if last
+        state = (StepState.SKIPPED if self.stats.nonfinite(summary) else StepState.EXACT if final
                  else StepState.DEFERRED if clip else StepState.STEPPED)
         summary[SPECULATIVE] += float(state == StepState.STEPPED)
-        pending = _Pending(state, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
-        if not last:  # pass the partial sums on before stepping, so the next stage need not wait for it
-            self._partial_send = dist.isend(
-                summary, dst=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group
-            )
+        self._statistics = _Statistics(summary, norm, clip, state, final)
+        return summary
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's (success, grad_norm, num_zeros); grad_norm is known (and returned) on the rank holding
+        the full sums only. Steps as this iteration's S pass decided."""
+        found, self._statistics = self._statistics, None
+        if found is None:
+            raise RuntimeError("optimizer post-validation: the step came without the schedule's statistics pass "
+                               "(S); plan the schedule with post_validation=True")
+        state, clip, norm = found.state, found.clip, found.norm
+        pending = _Pending(state, found.final, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
         if state == StepState.STEPPED:
             pending.undo = [self._keep_for_undo(leaf.optimizer) for leaf in self.leaves]
         if state in (StepState.STEPPED, StepState.EXACT):
@@ -154,40 +184,55 @@ class PostValidation:
                 self._clip(norm)
             self._step_leaves()
         self.pending = pending
-        if last:
+        skipped = state == StepState.SKIPPED
+        if found.final:
+            summary = found.summary
             summary[PENDING] = 1
             self.final = summary
-            self._update_loss_scale(state == StepState.SKIPPED)
-            skipped = state == StepState.SKIPPED
+            self._update_loss_scale(summary)
             self.last_outcome = Outcome(norm, state, skipped, clip and not skipped, False, False)
-            if (clip or state == StepState.SKIPPED) and summary[SPECULATIVE] > 0:
+            if (clip or skipped) and summary[SPECULATIVE] > 0:
                 self.rolled_back_steps += 1
-        success = state != StepState.SKIPPED
-        reported_norm = norm if last and self.clip_grad > 0 else None
-        return success, (None if state == StepState.SKIPPED else reported_norm), None
+        reported_norm = norm if found.final and self.clip_grad > 0 else None
+        return not skipped, (None if skipped else reported_norm), None
 
     # -- the validation (the V pass) -----------------------------------------------------------------
     def own_summary(self) -> torch.Tensor:
-        """What the last stage sends in its V pass: the full sums of the pending step, or 'nothing pending'."""
+        """What the head of the validation chain sends in its V pass: the full sums of the pending step, or
+        'nothing pending'."""
         if self.final is None:
             return torch.zeros(self.size, dtype=torch.float, device=self.device)
         final, self.final = self.final, None
         return final
 
+    def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """V: the full sums from the rank before this one in the validation chain (None: this rank is its
+        head and holds them). Returns them, to be passed on, and whether every rank must replay what it ran
+        before V. The verdict is applied by `settle`, once the sums went on, so that the ranks after this
+        one do not wait for this rank's optimizer work."""
+        summary = self.own_summary() if result is None else result
+        self._unsettled = summary
+        return summary, self.needs_replay(summary)
+
+    def settle(self) -> bool:
+        """Apply the verdict V received; False (a no-op) when there is none waiting."""
+        if self._unsettled is None:
+            return False
+        summary, self._unsettled = self._unsettled, None
+        self.validate(summary)
+        return True
+
     def needs_replay(self, summary: torch.Tensor) -> bool:
         """Whether every rank must replay what it ran before V (decided alike everywhere from the full sums)."""
         if summary[PENDING] == 0:
             return False
-        nonfinite = bool(summary[NONFINITE] > 0)
-        return (not nonfinite and self._needs_clip(self._norm(summary[:NONFINITE]))) or (
+        nonfinite = self.stats.nonfinite(summary)
+        return (not nonfinite and self._needs_clip(self.stats.norm(summary))) or (
             nonfinite and bool(summary[SPECULATIVE] > 0))
 
     @torch.no_grad()
     def validate(self, summary: torch.Tensor) -> bool:
         """Apply the verdict of the full sums to this stage's pending step; True when passes must be replayed."""
-        if self._partial_send is not None:
-            self._partial_send.wait()
-            self._partial_send = None
         if summary[PENDING] == 0:
             if self.pending is not None:
                 raise RuntimeError("optimizer post-validation: stages disagree on whether a step is pending")
@@ -196,26 +241,33 @@ class PostValidation:
         pending, self.pending = self.pending, None
         if pending is None:
             raise RuntimeError("optimizer post-validation: a validation arrived for no pending step")
-        nonfinite = bool(summary[NONFINITE] > 0)
-        norm = self._norm(summary[:NONFINITE])
+        nonfinite = self.stats.nonfinite(summary)
+        norm = self.stats.norm(summary)
         clip = not nonfinite and self._needs_clip(norm)
-        rolled_back = False
-        if pending.state == StepState.STEPPED and (nonfinite or clip):
-            self._undo(pending)
-            rolled_back = True
-            self.rollbacks += 1
+        undo = pending.state == StepState.STEPPED and (nonfinite or clip)
         waiting = pending.state in (StepState.STEPPED, StepState.DEFERRED)
-        if waiting and not nonfinite and (clip or pending.state == StepState.DEFERRED):
+        step = waiting and not nonfinite and (clip or pending.state == StepState.DEFERRED)
+        gathers = self._overlapped_gathers() if undo or step else []
+        for chunk in gathers:  # what a forward pre-hook started gathers the speculative step's values: let it end
+            chunk.start_param_sync(force_sync=True)
+        if undo:
+            self._undo(pending, gather=not gathers)
+            self.rollbacks += 1
+        if step:
             if clip:
                 self._clip(norm)
             with self._hyperparameters_of(pending):
                 self._step_leaves()
+        for chunk in gathers:  # now every rank of the stage holds the validated parameters
+            chunk.start_param_sync(force_sync=True)
+        rolled_back = undo
         if nonfinite and pending.state in (StepState.STEPPED, StepState.DEFERRED):
             self._undo_scheduler_increment(pending)
-        if self.stage < self.stages - 1:
-            self._update_loss_scale(nonfinite)
-            self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
         replay = self.needs_replay(summary)
+        if not pending.final:  # the holder of the full sums did this at its step
+            self._update_loss_scale(summary)
+            self.last_outcome = Outcome(norm, pending.state, nonfinite, clip, rolled_back, False)
+            self.rolled_back_steps += (nonfinite or clip) and bool(summary[SPECULATIVE] > 0)
         self.last_outcome.replay = replay
         self.last_outcome.rolled_back = rolled_back
         self._run_owed_zero_grad()
@@ -225,14 +277,20 @@ class PostValidation:
     def flush(self) -> None:
         """Validate the pending step outside any schedule (before evaluation, checkpointing or the end).
 
-        Every rank must call it at the same point; the sums travel p-1 -> 0 with plain send/recv."""
-        if self.stage == self.stages - 1:
-            summary = self.own_summary()
-        else:
-            summary = torch.empty(self.size, dtype=torch.float, device=self.device)
-            dist.recv(summary, src=dist.get_global_rank(self.pp_group, self.stage + 1), group=self.pp_group)
-        if self.stage > 0:
-            dist.send(summary, dst=dist.get_global_rank(self.pp_group, self.stage - 1), group=self.pp_group)
+        Every rank must call it at the same point; the sums take the V passes' way along the ranks, lowered
+        as in a schedule."""
+        schedule = validation_only(self.stages, self.chunks, self.layout)
+        transport = PipelineTransport(self.pp_group, (1,), torch.float, self.device, validation_numel=self.size)
+        summary = None
+        for item in lower(schedule)[self.stage]:
+            if isinstance(item, Recv):
+                transport.post_recv(item.msg)
+            elif isinstance(item, Send):
+                transport.post_send(item.msg, summary)
+            else:
+                need = consumed(schedule, self.stage, item)
+                summary = self.own_summary() if need is None else transport.wait_recv(need)
+        transport.finish()
         self.validate(summary)  # nothing ran on the speculative weights since the step: no replay
 
     @property
@@ -253,10 +311,13 @@ class PostValidation:
             zero_grad(*args, **kwargs)
 
     # -- pieces of megatron's step, kept stage-local -------------------------------------------------
-    def _prepare_grads(self) -> bool:
-        """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready, local inf flag."""
-        nonfinite = False
+    def _prepare_grads(self) -> list[torch.Tensor]:
+        """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready; per leaf, whether
+        unscaling found inf/NaN on this rank (always 0 without a loss scaler)."""
+        found_inf = []
         for leaf in self.leaves:
+            found = torch.zeros((), dtype=torch.float, device=self.device)
+            found_inf.append(found)
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
             if self.megatron_internals.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
@@ -266,28 +327,22 @@ class PostValidation:
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         self.megatron_internals.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
                     )
-                    nonfinite = nonfinite or bool(leaf.found_inf.item() > 0)
+                    found.copy_(leaf.found_inf.reshape(()))
             else:
                 leaf.prepare_grads()  # FP32Optimizer: param.grad = param.main_grad, no communication
-        return nonfinite
+        return found_inf
 
-    def _squared_norm(self) -> torch.Tensor:
-        """This rank's sum of squared gradients, computed as megatron's get_grad_norm_fp32 does before reducing."""
+    def _squared_norm(self, block) -> torch.Tensor:
+        """This rank's sum of squared gradients of the block's leaves, computed as megatron's get_grad_norm_fp32
+        does before reducing."""
         from megatron.core.optimizer import clip_grads
 
-        grads = self.optimizer.get_grads_for_grad_norm()
+        grads = [grad for leaf in block.leaves for grad in self.leaves[leaf].get_grads_for_grad_norm()]
         if not grads:
             return torch.zeros((), dtype=torch.float, device=self.device)
         overflow = torch.zeros(1, dtype=torch.int, device=self.device)
         norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
         return (norm**2.0).reshape(()).float()
-
-    @staticmethod
-    def _norm(squares: torch.Tensor) -> float:
-        total = squares[-1].clone()
-        for value in reversed(squares[:-1]):  # descending rank order (see the module docstring)
-            total = total + value
-        return total.item() ** 0.5
 
     def _needs_clip(self, norm: float) -> bool:
         # Megatron's rule: scale by clip / (norm + 1e-6) when that is below 1 (monotone in the partial sums).
@@ -313,7 +368,14 @@ class PostValidation:
             return optimizer_rollback.snapshot(torch_optimizer)
         return optimizer_rollback.prepare(torch_optimizer), _copy_of_tied_embedding(torch_optimizer)
 
-    def _undo(self, pending: _Pending) -> None:
+    def _overlapped_gathers(self) -> list:
+        """The model chunks whose parameter all-gathers megatron overlaps with the next forward passes
+        (--overlap-param-gather with the distributed optimizer): after the step, a forward pre-hook gathers
+        each bucket on its first use; a validation that changes the parameters gathers them itself."""
+        return [chunk for leaf in self.leaves for chunk in getattr(leaf, "model_chunks", [])
+                if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False)]
+
+    def _undo(self, pending: _Pending, gather: bool = True) -> None:
         with self._hyperparameters_of(pending):
             for leaf, kept in zip(self.leaves, pending.undo):
                 if kept is None:
@@ -325,7 +387,7 @@ class PostValidation:
                     optimizer_rollback.invert(leaf.optimizer, record)
                     _restore_tied_embedding(leaf.optimizer, tied)
                 self.megatron_internals.copy_main_params_to_model_params(leaf)
-                if hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
+                if gather and hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
                     leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
 
     def _hyperparameters(self) -> list:
@@ -360,10 +422,11 @@ class PostValidation:
         if increment:
             self.scheduler.step(increment=-increment)
 
-    def _update_loss_scale(self, nonfinite: bool) -> None:
-        for leaf in self.leaves:
+    def _update_loss_scale(self, summary: torch.Tensor) -> None:
+        """Each leaf's scaler with its own leaf's inf flag, as megatron's prepare_grads updates it."""
+        for index, leaf in enumerate(self.leaves):
             if getattr(leaf, "grad_scaler", None) is not None:
-                leaf.grad_scaler.update(nonfinite)
+                leaf.grad_scaler.update(self.stats.overflowed(summary, index))
 
 
 def _set(group: dict, key: str, value: float) -> None:

@@ -1,13 +1,14 @@
 """Measure the costs the planner needs on this rank: T_F, T_B, T_W per model chunk, T_comm, M_B and M_W.
 
-During the timer window `PassProfile` takes every pass time from the executor's `pass_timer`, the bytes
+During the timer window a `Profiler` takes every pass time from the executor's `pass_timer`, the bytes
 each F saves for backward (`saved_activation_bytes`, tensors autograd keeps, weights excluded), and
-the bytes each B leaves in the chunk's WeightGradStore for its W. `measure_p2p_seconds` times a
+the bytes each B leaves in the chunk's WeightGradStore for its W, into a `PassProfile`. `measure_p2p_seconds` times a
 ping-pong of one pipeline tensor between neighbouring ranks. Medians make the figures robust to the odd
 slow pass; `summary()` is plain data (lists of floats) so that it can be gathered to one rank.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -48,6 +49,44 @@ class PassProfile:
             out["m_w"].append(median(self.wgrad_bytes.get(chunk)))
         out["iterations"] = self.iterations
         return out
+
+
+class Profiler:
+    """Records one rank's passes during the timer window, for `report()` at its end."""
+
+    def __init__(self, chunks: int):
+        self.profile = PassProfile()
+        self._held = [0] * chunks  # bytes each chunk's WeightGradStore held after its previous pass
+
+    def forward_step(self, forward_step_func, model):
+        """forward_step_func that also records the activation bytes of each F (first timed iteration only:
+        they do not change, and walking the graph costs time that would count in T_F)."""
+        if self.profile.iterations > 0:
+            return forward_step_func
+        chunks = model if isinstance(model, list) else [model]
+        index = {id(c): k for k, c in enumerate(chunks)}
+        parameters = {id(c): list(c.parameters()) for c in chunks}
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator, model, *args, **kwargs):
+            output, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+            self.profile.record_forward_bytes(index[id(model)], saved_activation_bytes(output, parameters[id(model)]))
+            return output, loss_func
+
+        return forward_step
+
+    def record_pass(self, op: str, chunk: int, seconds: float, held_bytes: int) -> None:
+        """One pass's time, and what the chunk's WeightGradStore holds after it (a B's growth is its M_W)."""
+        self.profile.record_pass(op, chunk, seconds)
+        if op == "B":
+            self.profile.record_wgrad_bytes(chunk, held_bytes - self._held[chunk])
+        self._held[chunk] = held_bytes
+
+    def end_iteration(self) -> None:
+        self.profile.iterations += 1
+
+    def report(self, chunks: int, pp_rank: int) -> dict:
+        return dict(self.profile.summary(chunks), pp_rank=pp_rank)
 
 
 def saved_activation_bytes(output: torch.Tensor, parameters) -> int:

@@ -10,6 +10,16 @@ What it shows: whether the runtime keeps the simulator's timeline. A receive pos
 blocks, a pass that waits for a message it does not need: each makes passes start later than planned,
 reported per pass (planned and actual start) and as `max_pass_lateness`. Times in the result are in the
 schedule's time unit; one unit lasts `unit_ms` milliseconds of wall time.
+
+Data parallelism (`DataParallel`): the gradient reduction over data-parallel replicas, modelled on one
+pipeline (the replicas run the same plan): each chunk's weights are `layers` pieces, B/BW/W passes wait
+for them piece by piece, and the runtime's own WeightGradStore defers, re-cuts (the layer-by-layer tail)
+and reports them as the executor does in training. Megatron DDP's buckets are modelled as training has
+them: several on the first pipeline stage and one elsewhere (megatron-core 0.19), several on every stage
+under a split schedule (patches/ddp_bucketing.py); with overlap a bucket's reduction starts when its last
+weight is complete, without it they all start after the rank's last pass. Reductions
+run one after another on a modelled communication stream, each taking its share of `seconds`; the rank
+waits for the last at the end of its backward, and `dp_exposed` reports how long after its last pass.
 """
 from __future__ import annotations
 
@@ -26,13 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from ..schedules.comm import consumed, produced
 from ..schedules.costs import Costs
-from ..schedules.ops import Kind, Op
+from ..schedules.ops import Kind, Op, facts
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
 from .executor import PipelineExecutor, _Iteration
 from .p2p import PipelineTransport
+from .wgrad_store import WeightGradStore
 
 DEFAULT_MESSAGE_KIB = 64
 
@@ -51,6 +61,87 @@ class RehearsalOptions:
     iterations: int = 1
     optimizer_step: float = 0.0
     allreduce: float = 0.0
+    data_parallel: "DataParallel | None" = None
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The modelled data-parallel gradient reduction (see the module docstring); times in schedule units."""
+
+    reduce_time: float  # to reduce all of one rank's gradients
+    overlap: bool = True  # megatron's --overlap-grad-reduce
+    buckets: int = 8  # bucket groups of a bucketed stage
+    # Which stages have `buckets` (the others one): None as training has it (megatron buckets the first stage
+    # only; the runtime buckets every stage under a split schedule, patches/ddp_bucketing.py), or forced.
+    every_stage: bool | None = None
+    layers: int = 8  # weights per chunk, in the order their gradients complete (the last layer's first)
+
+
+class _ModelledReduction:
+    """One rank's gradient buckets and its communication stream, as megatron DDP with overlap_grad_reduce."""
+
+    def __init__(self, model: DataParallel, rank: int, chunks: int, unit_s: float, split_backward: bool):
+        self.model, self.unit_s = model, unit_s
+        self.weights = [[torch.nn.Parameter(torch.empty(1)) for _ in range(model.layers)] for _ in range(chunks)]
+        every_stage = split_backward if model.every_stage is None else model.every_stage
+        buckets_of_chunk = [model.buckets if (k == 0 and (rank == 0 or every_stage)) else 1 for k in range(chunks)]
+        self.bucket_of = {id(w): (k, i * buckets_of_chunk[k] // model.layers)
+                          for k, weights in enumerate(self.weights) for i, w in enumerate(weights)}
+        self.size = {}
+        for bucket in self.bucket_of.values():
+            self.size[bucket] = self.size.get(bucket, 0) + 1
+        self.seconds_per_weight = model.reduce_time * unit_s / (chunks * model.layers)
+        self.reset()
+
+    def reset(self) -> None:
+        self.missing = dict(self.size)  # bucket -> weights not complete yet
+        self.started: set = set()
+        self.stream_free = 0.0  # monotonic time at which the communication stream has done all it was given
+
+    def ready(self, weight) -> None:
+        bucket = self.bucket_of[id(weight)]
+        self.missing[bucket] -= 1
+        if self.missing[bucket] == 0 and self.model.overlap:
+            self._start(bucket)
+
+    def _start(self, bucket) -> None:
+        self.started.add(bucket)
+        self.stream_free = max(time.monotonic(), self.stream_free) + self.size[bucket] * self.seconds_per_weight
+
+    def finish(self) -> float:
+        """Start what has not started, wait for the stream to finish; returns when it did (monotonic)."""
+        for bucket in sorted(set(self.size) - self.started):
+            self._start(bucket)
+        _sleep_until(self.stream_free)
+        return self.stream_free
+
+
+class _PassClock:
+    """Waits within one pass, piece after piece, against the pass's own start (sleep overshoots do not add up)."""
+
+    def __init__(self):
+        self.cursor = 0.0
+
+    def start(self) -> float:
+        self.cursor = time.monotonic()
+        return self.cursor
+
+    def wait(self, seconds: float) -> None:
+        self.cursor += seconds
+        _sleep_until(self.cursor)
+
+
+@dataclass
+class _WaitWork:
+    """A deferred weight gradient that only waits (wgrad_store.DeferredWork)."""
+
+    weight: torch.nn.Parameter
+    seconds: float
+    clock: _PassClock
+    nbytes: int = 0
+
+    def __call__(self) -> None:
+        self.clock.wait(self.seconds)
 
 
 class _DelayedTransport(PipelineTransport):
@@ -74,13 +165,14 @@ class _EmulatedIteration(_Iteration):
     t0: float = 0.0
     payload: torch.Tensor = None
     record: list = field(default_factory=list)  # (op, mb, chunk, actual start, actual end) in units
+    reduction: _ModelledReduction | None = None  # data parallelism, when modelled
+    clock: _PassClock = field(default_factory=_PassClock)
 
     def _compute(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         start = time.monotonic()
         _sleep_until(start + duration(p, vs, self.costs) * self.unit_s)
-        self.record.append((p.op, p.mb, p.chunk, (start - self.t0) / self.unit_s,
-                            (time.monotonic() - self.t0) / self.unit_s))
+        self._record_pass(p, start)
 
     def forward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
@@ -94,30 +186,81 @@ class _EmulatedIteration(_Iteration):
     def backward(self, p: Pass) -> None:
         vs = self.schedule.virtual_stage(self.rank, p.chunk)
         self.saved.pop((p.mb, p.chunk))
-        sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
-        if sent is not None:
-            self.transport.complete_send(sent)  # as training does: the output is freed before B
         if vs < self.last_vstage:
             self._incoming(p, Kind.GRAD, vs)
-        self._compute(p)
+        if self.reduction is None:
+            self._compute(p)
+        else:
+            self._backward_by_layer(p, vs)
         if vs > 0:
             self._outgoing(p, Kind.GRAD, self.payload, vs - 1)
 
-    def weight(self, p: Pass) -> None:
-        self._compute(p)
+    def _backward_by_layer(self, p: Pass, vs: int) -> None:
+        """B or BW piece by piece through the chunk's weights, their W work going through the real store."""
+        start = self.clock.start()
+        store, last = self.stores[p.chunk], p == self.last_backward[p.chunk]
+        weights = self.reduction.weights[p.chunk]
+        t_b, t_w = self.costs.t_b[vs] * self.unit_s / len(weights), self.costs.t_w[vs] * self.unit_s / len(weights)
+        with store.split_backward() if p.op == Op.B else store.fused_backward(last):
+            for weight in weights:
+                self.clock.wait(t_b)
+                store.hand_over(_WaitWork(weight, t_w, self.clock))
+        if p.op == Op.B:
+            store.close_microbatch(p.mb, last=last)
+        self._record_pass(p, start)
 
-    def validation_pass(self, p) -> bool:
-        """Receive the validation sums from the rank above and pass them on; never asks for a replay."""
-        need = consumed(self.schedule, self.rank, p)
-        summary = self.transport.wait_recv(need) if need is not None else torch.zeros(self.transport.validation_numel)
-        out = produced(self.schedule, self.rank, p)
-        if out is not None:
-            self.outgoing[out] = (summary, None)
+    def weight(self, p: Pass) -> None:
+        if self.reduction is None:
+            self._compute(p)
+            return
+        start = self.clock.start()
+        self.stores[p.chunk].run_next(p.mb)
+        self._record_pass(p, start)
+
+    def _record_pass(self, p: Pass, start: float) -> None:
+        self.record.append((p.op, p.mb, p.chunk, (start - self.t0) / self.unit_s,
+                            (time.monotonic() - self.t0) / self.unit_s))
+
+    def finish_backward(self) -> None:
+        """The data-parallel reduction, when modelled: the rank waits for its last bucket."""
+        if self.reduction is None or self.backward_finished:
+            return
+        self.backward_finished = True
+        last_pass = max(entry[4] for entry in self.record if entry[0] != "step")
+        done = (self.reduction.finish() - self.t0) / self.unit_s
+        self.record.append(("dp", 0, 0, last_pass, done))
+
+    def validate_step(self, p: Pass) -> bool:
+        replay = super().validate_step(p)
+        self._record_instant(p)
+        return replay
+
+    def step_statistics(self, p: Pass) -> None:
+        super().step_statistics(p)
+        self._record_instant(p)
+
+    def _record_instant(self, p: Pass) -> None:
         now = (time.monotonic() - self.t0) / self.unit_s
-        self.record.append((Op.V, 0, 0, now, now))
+        self.record.append((p.op, p.mb, p.chunk, now, now))
+
+
+@dataclass
+class _ModelledValidation:
+    """Post-validation's summaries travel as in training; the step never needs a rollback (executor.StepValidation)."""
+
+    size: int = 2
+    has_pending: bool = False
+
+    def statistics(self, partial, final: bool) -> torch.Tensor:
+        return torch.zeros(self.size) if partial is None else partial
+
+    def receive_result(self, result) -> tuple[torch.Tensor, bool]:
+        return (torch.zeros(self.size) if result is None else result), False
+
+    def settle(self) -> bool:
         return False
 
-    def apply_validation(self) -> None:
+    def flush(self) -> None:
         return None
 
 
@@ -150,14 +293,22 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         schedule = Schedule.from_json(schedule_json)
-        executor = PipelineExecutor(lambda m: schedule)
+        executor = PipelineExecutor(lambda m: schedule, post_validation=_ModelledValidation())
         run, program, _ = executor._program(schedule, rank, forward_only=False)  # the lowering training runs
         group = dist.group.WORLD
         numel = max(1, int(options.message_kib * 1024 // 4))
         delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
-        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"), validation_numel=2, **extra)
+        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"),
+                                   validation_numel=executor.post_validation.size, **extra)
+        unit_s = options.unit_ms / 1e3
+        reduction, stores = None, []
+        if options.data_parallel is not None:
+            reduction = _ModelledReduction(options.data_parallel, rank, schedule.chunks, unit_s,
+                                           schedule.uses_split_backward())
+            stores = [WeightGradStore(f"chunk {k}", grad_ready=reduction.ready if options.data_parallel.overlap else None)
+                      for k in range(schedule.chunks)]
         # Everyone starts at one agreed instant (CLOCK_MONOTONIC is shared by the processes of a machine).
         start = torch.tensor([time.monotonic() + 0.2 + 0.01 * world], dtype=torch.float64)
         dist.broadcast(start, src=0)
@@ -165,17 +316,21 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
             executor=executor, mcore=None, schedule=run, rank=rank, chunks=[None] * schedule.chunks,
             iterators=[None] * schedule.chunks, config=None, forward_step_func=None,
             num_microbatches=schedule.microbatches, cp_size=1, forward_only=False, collect_non_loss_data=False,
-            first_val_step=None, transport=transport, device=torch.device("cpu"), stores=[],
-            costs=costs, unit_s=options.unit_ms / 1e3, t0=float(start.item()),
-            payload=torch.zeros(numel, dtype=torch.float32),
+            first_val_step=None, transport=transport, device=torch.device("cpu"), stores=stores,
+            costs=costs, unit_s=unit_s, t0=float(start.item()), payload=torch.zeros(numel, dtype=torch.float32),
+            reduction=reduction,
         )
         _sleep_until(iteration.t0)
         synchronous = not schedule.has_post_validation()
         flag = torch.zeros(1)
         for step in range(options.iterations):
             if step:  # a fresh iteration state, the same transport, clock and record
-                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, started_chunks=set())
+                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, received={}, started_chunks=set(),
+                                                backward_finished=False)
+                if reduction is not None:
+                    reduction.reset()
             iteration.run(program)
+            iteration.finish_backward()
             if options.iterations > 1:
                 if synchronous:
                     dist.all_reduce(flag, group=group)  # the grad-norm / inf check every rank waits for
@@ -223,6 +378,8 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
     total = max((r[-1][4] for r in records if r), default=0.0)
     steps = sum(1 for r in records[0] if r[0] == "step")
     records = [_first_iteration(r) for r in records]
+    reductions = [next((entry for entry in r if entry[0] == "dp"), None) for r in records]
+    records = [[entry for entry in r if entry[0] != "dp"] for r in records]
     per_rank, lateness, spans, busy, gaps = [], 0.0, [], [], []
     measured_end = 0.0
     for rank, (planned, actual) in enumerate(zip(timeline.ranks, records)):
@@ -234,7 +391,7 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
             lateness = max(lateness, late)
             passes.append({"op": op, "mb": mb, "chunk": chunk, "planned_start": timed.start, "actual_start": start,
                            "actual_end": end, "lateness": late})
-        work = [a for a in actual if a[0] != Op.V]
+        work = [a for a in actual if facts(a[0]).takes_time]
         span = (work[-1][4] - work[0][3]) if work else 0.0
         spans.append(span)
         busy.append(sum(a[4] - a[3] for a in work))
@@ -243,14 +400,21 @@ def _report(schedule: Schedule, timeline, records: list[list[tuple]], unit_ms: f
         # between one's end and the next one's start.
         for (before, after), (done, started) in zip(zip(planned, planned[1:]), zip(actual, actual[1:])):
             back_to_back = after.start - before.end < 1e-9 and done[4] >= after.start
-            if back_to_back and Op.V not in (done[0], started[0]):
+            if back_to_back and facts(done[0]).takes_time and facts(started[0]).takes_time:
                 gaps.append((started[3] - done[4]) * unit_ms * 1e3)
         measured_end = max(measured_end, max((a[4] for a in actual), default=0.0))
         per_rank.append({"rank": rank, "measured_span": span, "simulated_span": timeline.span(rank),
                          "max_lateness": max((p["lateness"] for p in passes), default=0.0), "passes": passes})
+        if reductions[rank] is not None:  # from the rank's last pass to its last bucket reduced
+            per_rank[-1]["dp_exposed"] = reductions[rank][4] - reductions[rank][3]
     longest = max(spans, default=0.0)
     measured_bubble = (longest - max(busy, default=0.0)) / longest if longest > 0 else 0.0
-    return {
+    dp = {}
+    if all(r is not None for r in reductions):
+        # what the reduction adds to the iteration: its last bucket against the last pass of any rank
+        dp = {"dp_exposed": max(r[4] for r in reductions) - measured_end,
+              "dp_exposed_per_rank": [r[4] - r[3] for r in reductions]}
+    return {**dp,
         "schedule": schedule.name or "(from file)",
         "stages": schedule.stages,
         "microbatches": schedule.microbatches,

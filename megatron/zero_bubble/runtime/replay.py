@@ -1,15 +1,17 @@
-"""The V pass of an iteration, and the exact replay of what ran before it.
+"""What an exact replay of an iteration's first passes needs: the same data and the same random state.
 
 When post-validation redoes the previous optimizer step, the passes that ran before the V pass used
-speculative weights and are run again. The replay must consume the microbatches those passes consumed
-(not the next ones) and draw the same dropout masks, so the result equals a run that never speculated.
+speculative weights and are run again (executor._Iteration.replay). The replay must consume the
+microbatches those passes consumed (not the next ones), draw the same dropout masks and find the model's
+running counts as they were (an MoE router adds each forward's tokens per expert to counts that its expert
+bias and load-balancing loss read, and its losses to megatron's metrics), so the result equals a run that
+never speculated.
 """
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-from ..schedules.comm import Send, consumed, produced
-from ..schedules.schedule import ScheduleError
+import torch
 
 
 class _Recording:
@@ -58,64 +60,19 @@ def _restore_rng(state: dict) -> None:
 
 
 class Rewind:
-    """Taken at the start of an iteration; `rewind()` puts data and random state back to that point."""
+    """Taken at the start of an iteration; `rewind()` puts data, random state and the model's running counts
+    back to that point. restore_counts: puts back what the forward passes accumulate into, as it was when
+    the Rewind was taken (megatron_private.forward_accumulators)."""
 
-    def __init__(self, iterators: list):
+    def __init__(self, iterators: list, restore_counts: Callable[[], None] | None = None):
         self.iterators = [None if it is None else _Recording(it) for it in iterators]
         self.rng = _capture_rng()
+        self.restore_counts = restore_counts
 
     def rewind(self) -> None:
         for it in self.iterators:
             if it is not None:
                 it.rewind()
         _restore_rng(self.rng)
-
-
-class ValidationPass:
-    """The V pass and the replay, as methods of the executor's per-iteration state (executor._Iteration)."""
-
-    def validation_pass(self, p) -> bool:
-        """Receive the previous step's full sums (the last rank has them) and decide whether to replay.
-
-        The sums are passed on before this rank undoes or re-steps anything (`apply_validation` runs after
-        the send is posted), so the ranks below do not wait for this rank's optimizer work."""
-        controller = self.executor.post_validation
-        need = consumed(self.schedule, self.rank, p)
-        summary = self.transport.wait_recv(need) if need is not None else controller.own_summary()
-        out = produced(self.schedule, self.rank, p)
-        self.unvalidated = summary
-        if out is not None:
-            self.outgoing[out] = (summary, None)
-        else:
-            self.apply_validation()
-        return controller.needs_replay(summary)
-
-    def apply_validation(self) -> None:
-        if self.unvalidated is not None:
-            summary, self.unvalidated = self.unvalidated, None
-            self.executor.post_validation.validate(summary)
-
-    def replay(self) -> None:
-        """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
-        if self.rewind is None:
-            raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
-        for item in self.rollback.after_validation:
-            if isinstance(item, Send):
-                tensor, on_done = self.outgoing.pop(item.msg)
-                self.transport.post_send(item.msg, tensor, on_done)
-                self.apply_validation()
-            else:  # a message its sender computed before its own V: received and dropped
-                self.transport.post_recv(item.msg)
-                self.transport.wait_recv(item.msg)
-        self.apply_validation()
-        self.transport.reap_sends(block=True)
-        for held in (self.outgoing, self.saved, self.handoff, self.forward_data_store, self.started_chunks):
-            held.clear()
-        self.total_num_tokens.zero_()
-        self.in_flight = 0
-        self.rewind.rewind()
-        timer, self.executor.pass_timer = self.executor.pass_timer, None  # replays would skew measured costs
-        try:
-            self.run(self.rollback.restart)
-        finally:
-            self.executor.pass_timer = timer
+        if self.restore_counts is not None:
+            self.restore_counts()

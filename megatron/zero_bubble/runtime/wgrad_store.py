@@ -1,12 +1,20 @@
 """Deferred weight-gradient work of one model chunk: the W passes of zero-bubble schedules.
 
 Zero-bubble schedules split a layer's backward into B (gradient w.r.t. the input, on the critical
-path, time T_B) and W (gradient w.r.t. the weights, time T_W, movable into bubbles). While a B pass runs
-inside `split_backward()`, the patched linear layers (`patches/linear_wgrad.py`) hand their weight
-gradient GEMM to `defer()` instead of running it. `close_microbatch(mb)` files that work under the
-microbatch; the W pass calls `run_next(mb)`, which runs the oldest filed microbatch (FIFO) and checks it is
-`mb`. Until then the work keeps its input activation and output gradient alive: that is M_W, reported by
-`pending_bytes`.
+path, time T_B) and W (gradient w.r.t. the weights, time T_W, movable into bubbles). The patched linear
+layers (`patches/linear_wgrad.py`) hand their weight-gradient work to `hand_over()`: while a B pass runs
+inside `split_backward()` it is deferred, otherwise (a fused BW pass) it runs at once. `close_microbatch(mb)`
+files the deferred work under the microbatch; the W pass calls `run_next(mb)`, which runs the oldest filed
+microbatch (FIFO) and checks it is `mb`. Until then the work keeps its input activation and output gradient
+alive: that is M_W, reported by `pending_bytes`.
+
+Gradient readiness (for megatron DDP's overlapped reduction): with a `grad_ready` callback, each weight is
+reported once its gradient of the iteration is complete, i.e. once the chunk's last microbatch's work for
+it ran (`close_microbatch(mb, last=True)` after the last B, `fused_backward(last=True)` around the last
+BW). After the last B the store knows all remaining work and runs it layer by layer instead of microbatch
+by microbatch, in W passes of about equal cost: each weight still accumulates its microbatches in order
+(bit-identical), but the last layers' gradients are complete after the first of those passes instead of
+the last, so their reduction overlaps the rest.
 
 The store is reached from the weights it owns (an attribute on each Parameter), never from thread-local
 or global state: autograd runs CUDA backward on a device thread, where the caller's thread-locals and
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Callable, Iterator, Protocol
 
 import torch
@@ -37,18 +46,19 @@ class DeferredWork(Protocol):
 class WeightGradStore:
     """Queue of deferred weight-gradient work for one model chunk, one entry per microbatch.
 
-    on_weight_grad_ready(weight) is called after each deferred gradient has been accumulated into the
-    weight (`main_grad` or `grad`). Megatron DDP's per-parameter hook cannot do this for deferred weights
-    (autograd delivers no gradient to them during B); an executor that overlaps the gradient reduction
-    (DDP overlap_grad_reduce) uses this callback to report readiness on the last microbatch instead.
+    grad_ready(weight), when set, is called once per iteration for each weight, when its gradient is
+    complete (see the module docstring); megatron DDP's per-parameter hook, which autograd would have
+    called, is what an executor that overlaps the gradient reduction passes here.
     """
 
-    def __init__(self, name: str = "chunk", on_weight_grad_ready: Callable[[torch.nn.Parameter], None] | None = None):
+    def __init__(self, name: str = "chunk", grad_ready: Callable[[torch.nn.Parameter], None] | None = None):
         self.name = name
-        self.on_weight_grad_ready = on_weight_grad_ready
+        self.grad_ready = grad_ready
         self._active = False
+        self._completing = False  # inside the chunk's last fused backward: its gradients complete now
         self._open: list[DeferredWork] = []  # deferred by the B pass now running (or just finished)
         self._queue: deque[tuple[int, list[DeferredWork]]] = deque()  # (microbatch, its work), oldest first
+        self._final: set[int] = set()  # ids of the works that complete their weight's gradient
         self._weights: list[torch.nn.Parameter] = []
         self._pending_bytes = 0  # kept as work comes and goes: the executor reads it after every pass
 
@@ -111,15 +121,37 @@ class WeightGradStore:
         finally:
             self._active = False
 
+    @contextmanager
+    def fused_backward(self, last: bool) -> Iterator[WeightGradStore]:
+        """Run the enclosed backward as a BW pass (weight gradients at once); `last`: the chunk's last
+        microbatch, so each weight's gradient is complete when its work has run (grad_ready)."""
+        if self._active:
+            raise RuntimeError(f"WeightGradStore {self.name!r}: fused_backward() inside split_backward()")
+        self._completing = last
+        try:
+            yield self
+        finally:
+            self._completing = False
+
+    def hand_over(self, work: DeferredWork) -> None:
+        """Called by a patched linear layer's backward: deferred during B, run now otherwise."""
+        if self._active:
+            self.defer(work)
+            return
+        work()
+        if self._completing and self.grad_ready is not None:
+            self.grad_ready(work.weight)
+
     def defer(self, work: DeferredWork) -> None:
-        """Called by a patched linear layer's backward during B."""
+        """Keep the work for a W pass (during B)."""
         if not self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: defer() called outside split_backward()")
         self._open.append(work)
         self._pending_bytes += work.nbytes
 
-    def close_microbatch(self, mb: int) -> None:
-        """File the work deferred since the last close under microbatch `mb` (empty work is filed too)."""
+    def close_microbatch(self, mb: int, last: bool = False) -> None:
+        """File the work deferred since the last close under microbatch `mb` (empty work is filed too);
+        `last`: mb is the chunk's last microbatch (see grad_ready)."""
         if self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: close_microbatch({mb}) inside split_backward()")
         if any(queued == mb for queued, _ in self._queue):
@@ -128,6 +160,28 @@ class WeightGradStore:
             )
         self._queue.append((mb, self._open))
         self._open = []
+        if last and self.grad_ready is not None:
+            self._by_layer()
+
+    def _by_layer(self) -> None:
+        """Re-cut the remaining work layer by layer into as many W passes of about equal cost (see the module
+        docstring), and mark each weight's last piece of work."""
+        microbatches = [mb for mb, _ in self._queue]
+        per_weight: dict[int, list[DeferredWork]] = {}  # in backward order of the weights, microbatches in order
+        for _, works in self._queue:
+            for work in works:
+                per_weight.setdefault(id(work.weight), []).append(work)
+        order = [work for works in per_weight.values() for work in works]
+        self._final = {id(works[-1]) for works in per_weight.values()}
+        costs = list(accumulate(work.weight.numel() for work in order))
+        total, slices, start = (costs[-1] if costs else 0), [], 0
+        for k in range(1, len(microbatches) + 1):
+            end = start
+            while end < len(order) and (k == len(microbatches) or costs[end] <= total * k / len(microbatches)):
+                end += 1
+            slices.append(order[start:end])
+            start = end
+        self._queue = deque(zip(microbatches, slices))
 
     # -- W pass --------------------------------------------------------------------------------------
     def run_next(self, mb: int) -> int:
@@ -165,8 +219,9 @@ class WeightGradStore:
             work = works.pop()
             self._pending_bytes -= work.nbytes
             work()
-            if self.on_weight_grad_ready is not None:
-                self.on_weight_grad_ready(work.weight)
+            if id(work) in self._final:
+                self._final.discard(id(work))
+                self.grad_ready(work.weight)
         return count
 
     # -- accounting ----------------------------------------------------------------------------------

@@ -7,9 +7,9 @@ post their side of it in that order: sends right after the compute that produces
 early as that order allows, so they overlap with compute. `check_lowering` replays the programs under
 those strict rules (a pair's operations complete only head-to-head, in order) and names any deadlock.
 Which message a pass sends or receives is read from ops.TABLE: an F's activation goes one virtual stage
-up, a B's (or BW's) gradient one down, the post-validation pass V's result one rank down (see
-post_validation.py); a pass receives what its cross-stage dependency sends. After a replay point (V)
-every receive the rank needs is posted after it.
+up, a B's (or BW's) gradient one down, the post-validation passes' summaries (V's result, S's partial
+statistics) one rank on along their chain (see post_validation.py); a pass receives what its cross-stage
+dependency sends. After a replay point (V) every receive the rank needs is posted after it.
 """
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from .simulate import Timeline, simulate
 
 @dataclass(frozen=True)
 class Message:
-    """An activation (kind ACT), an input gradient (GRAD) between stages, or the validation result (VALID,
-    microbatch 0) from a rank to the one below it. The kind may be given as its string ("act")."""
+    """An activation (kind ACT) or an input gradient (GRAD) between stages, or a summary of the optimizer
+    step (VALID, STATS; microbatch 0) from one rank to the next of its chain. The kind may be given as its
+    string ("act")."""
 
     kind: Kind
     mb: int
@@ -58,13 +59,16 @@ class Recv:
 Action = Union[Pass, Send, Recv]
 
 
-def _message(schedule: Schedule, kind: Kind, mb: int, src_stage: int, dst_stage: int) -> Message | None:
+def _message(schedule: Schedule, kind: Kind, mb: int, src_stage: int | None, dst_stage: int | None) -> Message | None:
     """The message between two virtual stages, if both exist and sit on different ranks (a V's turn does not)."""
-    n = schedule.num_virtual_stages
-    if not (0 <= src_stage < n and 0 <= dst_stage < n):
+    if src_stage is None or dst_stage is None:
         return None
     src, dst = schedule.owner(src_stage)[0], schedule.owner(dst_stage)[0]
     return None if src == dst else Message(kind, mb, src_stage, dst_stage, src, dst)
+
+
+def _linked(schedule: Schedule, p: Pass, vstage: int, offset: int) -> int | None:
+    return facts(p.op).linked_stage(vstage, offset, schedule.num_virtual_stages, schedule.stages)
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
@@ -73,7 +77,7 @@ def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     if sends is None:
         return None
     vs = schedule.virtual_stage(rank, p.chunk)
-    return _message(schedule, sends[0], p.mb, vs, vs + sends[1])
+    return _message(schedule, sends[0], p.mb, vs, _linked(schedule, p, vs, sends[1]))
 
 
 def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
@@ -83,7 +87,7 @@ def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     if receives is None:
         return None
     vs = schedule.virtual_stage(rank, p.chunk)
-    return _message(schedule, receives[0], p.mb, vs + receives[1], vs)
+    return _message(schedule, receives[0], p.mb, _linked(schedule, p, vs, receives[1]), vs)
 
 
 def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
@@ -91,20 +95,30 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
     if timeline is None:
         costs = costs or Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
         timeline = simulate(schedule, costs)
-    # Per rank pair, every message with its production time and its slots on both ends.
-    pairs: dict[tuple[int, int], list[tuple[float, int, int, Message]]] = {}
+    replay_index = {rank: pos for rank, pos, p in schedule.passes() if facts(p.op).replay_point}
+    replay_time = {rank: timeline.ranks[rank][pos].end for rank, pos in replay_index.items()}
+    # Per rank pair, every message with its place in the pair's order and its slots on both ends. The order
+    # is by production time, except that a message its receiver needs only after its replay point (V)
+    # counts from just after that V: the result V receives, needed before, then goes first. (In a V layout
+    # the result walks the way warm-up activations go, sent long before the receiver needs them; their
+    # sends then wait until after the sender's V: after a rollback they are never sent, so never drained.)
+    pairs: dict[tuple[int, int], list[tuple[tuple[float, int], int, int, Message]]] = {}
     produce_index: dict[Message, int] = {}
     consume_index: dict[Message, int] = {}
+    for rank, passes in enumerate(timeline.ranks):
+        for pos, t in enumerate(passes):
+            need = consumed(schedule, rank, t.op)
+            if need is not None:
+                consume_index[need] = pos
     for rank, passes in enumerate(timeline.ranks):
         for pos, t in enumerate(passes):
             out = produced(schedule, rank, t.op)
             if out is not None:
                 produce_index[out] = pos
-                pairs.setdefault((min(out.src, out.dst), max(out.src, out.dst)), []).append((t.end, rank, pos, out))
-            need = consumed(schedule, rank, t.op)
-            if need is not None:
-                consume_index[need] = pos
-    replay_index = {rank: pos for rank, pos, p in schedule.passes() if facts(p.op).replay_point}
+                order = (t.end, 0)
+                if out.dst in replay_index and consume_index[out] > replay_index[out.dst]:
+                    order = max(order, (replay_time[out.dst], 1))
+                pairs.setdefault((min(out.src, out.dst), max(out.src, out.dst)), []).append((order, rank, pos, out))
     # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
     slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
     for pair, messages in sorted(pairs.items()):

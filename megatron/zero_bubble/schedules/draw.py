@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .ops import OPS, facts
+from .ops import OPS, facts, per_rank_ops
 from .schedule import ScheduleError
 from .simulate import Timeline
 
 OP_COLOURS = {"F": "#5b9bd5", "B": "#70ad47", "W": "#f4a442", "BW": "#a58bd0"}
 OP_NAMES = {op: f"{op} ({facts(op).noun})" for op in OPS}  # "F (forward)", ..., "V (post-validation)"
-MARKER_COLOUR = "#222222"  # passes that take no time (V) are a line, not a box
+# Passes that take no time (V, S) are a line, not a box, in a style of their own each.
+MARKER_STYLES = [{"color": "#222222", "linestyle": "solid"}, {"color": "#8a2be2", "linestyle": "dashed"}]
 PICTURE_SUFFIXES = (".png", ".svg")
 
 _ROW_INCHES = 0.42  # height of one rank's row
@@ -154,10 +155,11 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
     for (op, chunk, rank), spans in groups.items():
         colour = chunk_colour(op, chunk, s.chunks)
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.4)
-    if markers:
-        times, rows = [x for x, _, _ in markers], [r for _, r, _ in markers]
-        ax.vlines(times, [r - 0.45 for r in rows], [r + 0.45 for r in rows], colors=MARKER_COLOUR, linewidth=1.6,
-                  zorder=3)
+    style = {op: MARKER_STYLES[i % len(MARKER_STYLES)] for i, op in enumerate(per_rank_ops())}
+    for op in dict.fromkeys(op for _, _, op in markers):
+        times, rows = zip(*[(x, r) for x, r, o in markers if o == op])
+        ax.vlines(times, [r - 0.45 for r in rows], [r + 0.45 for r in rows], colors=style[op]["color"],
+                  linestyles=style[op]["linestyle"], linewidth=1.6, zorder=3)
 
     font = _label_font(timeline, axes_width_in, xmax)
     if font >= _MIN_FONT:
@@ -185,7 +187,7 @@ def _draw_rows(ax, timeline: Timeline, axes_width_in: float, xmax: float, time_u
             Patch(facecolor=chunk_colour(op, s.chunks - 1, s.chunks), label=f"{op}, chunk {s.chunks - 1}") for op in ops
         ]
     for op in dict.fromkeys(op for _, _, op in markers):
-        handles.append(Line2D([], [], color=MARKER_COLOUR, linewidth=1.6, label=OP_NAMES[op]))
+        handles.append(Line2D([], [], linewidth=1.6, label=OP_NAMES[op], **style[op]))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
 
 

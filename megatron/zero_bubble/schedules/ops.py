@@ -21,6 +21,7 @@ class Op(StrEnum):
     W = "W"  # gradient w.r.t. the weights: deferred into the bubbles
     BW = "BW"  # fused backward (B and W at once), as 1F1B runs it
     V = "V"  # post-validation of the previous optimizer step (post_validation.py)
+    S = "S"  # the optimizer step's gradient statistics, summed along the ranks (post_validation.py)
 
 
 class Kind(StrEnum):
@@ -28,10 +29,12 @@ class Kind(StrEnum):
 
     ACT = "act"  # an F's output activation
     GRAD = "grad"  # a B's (or BW's) gradient w.r.t. its input
-    VALID = "valid"  # the validation result of the optimizer step, one rank down
+    VALID = "valid"  # the validation result of the optimizer step, on to the next rank of its chain
+    STATS = "stats"  # the partial sums of the step's gradient statistics, on to the next rank
 
 
-KIND_NOUNS = {Kind.ACT: "activation", Kind.GRAD: "gradient", Kind.VALID: "validation result"}
+KIND_NOUNS = {Kind.ACT: "activation", Kind.GRAD: "gradient", Kind.VALID: "validation result",
+              Kind.STATS: "partial step statistics"}
 
 PassKey = tuple[Op, int, int]  # a pass's identity across ranks: (op, microbatch, virtual stage)
 
@@ -53,9 +56,11 @@ class OpFacts:
     time: tuple[str, ...]  # Costs fields summed into its duration; none: it takes no time of its own
     memory: tuple[tuple[str, int], ...]  # (Costs field, sign) summed into the activation memory it adds
     sends: tuple[Kind, int] | None  # its output's message kind and the virtual stage offset it goes to
-    per_microbatch: bool = True  # False: once per rank, always microbatch 0 and chunk 0
+    # False: once per rank, as microbatch 0 on the rank's last chunk; its needs and messages then follow the
+    # last chunks' virtual stages only (one per rank, so the chain visits every rank once in any layout)
+    per_microbatch: bool = True
     precedes: tuple[Op, ...] = ()  # on its rank it must come before every pass of these kinds
-    layouts: tuple[str, ...] | None = None  # the layouts it is defined for; None: every layout
+    last: bool = False  # on its rank it comes after every other pass
     replay_point: bool = False  # a rollback re-runs what ran before it, so later receives go after it
     split: bool = False  # one half of a split backward (needs the runtime's deferred weight gradients)
 
@@ -70,11 +75,17 @@ class OpFacts:
         """Activation memory the pass adds (negative: frees), in the costs' memory unit."""
         return sum((sign * getattr(costs, name)[vstage] for name, sign in self.memory), 0.0)
 
-    def needs_at(self, mb: int, vstage: int, num_vstages: int) -> tuple[PassKey, ...]:
+    def linked_stage(self, vstage: int, offset: int, num_vstages: int, stages: int) -> int | None:
+        """The virtual stage `offset` away that this op's needs and messages reach, None if there is none
+        (past either end; for a once-per-rank op, outside the last chunks' stages)."""
+        other = vstage + offset
+        lowest = 0 if self.per_microbatch else num_vstages - stages
+        return other if lowest <= other < num_vstages else None
+
+    def needs_at(self, mb: int, vstage: int, num_vstages: int, stages: int) -> tuple[PassKey, ...]:
         """The passes that must end first, as (op, microbatch, virtual stage)."""
-        return tuple(
-            (n.op, mb, vstage + n.offset) for n in self.needs if 0 <= vstage + n.offset < num_vstages
-        )
+        linked = ((n.op, self.linked_stage(vstage, n.offset, num_vstages, stages)) for n in self.needs)
+        return tuple((op, mb, other) for op, other in linked if other is not None)
 
 
 TABLE: dict[Op, OpFacts] = {
@@ -94,12 +105,18 @@ TABLE: dict[Op, OpFacts] = {
         "fused backward", "#", needs=(Needs(Op.F), Needs(Op.B, +1)), completes=(Op.B, Op.W),
         time=("t_b", "t_w"), memory=(("m_f", -1),), sends=(Kind.GRAD, -1),
     ),
-    # The result of the optimizer step walks down from rank p-1, one stage per rank, before any backward;
-    # only its message's T_comm is planned for (a re-step after a rollback is not).
+    # The result of the optimizer step walks from the rank of the last virtual stage (p-1; rank 0 in a V)
+    # to the others, one rank at a time, before each one's first backward; only its messages' T_comm is
+    # planned for (a re-step after a rollback is not).
     Op.V: OpFacts(
         "post-validation", "V", needs=(Needs(Op.V, +1),), completes=(Op.V,), time=(), memory=(),
-        sends=(Kind.VALID, -1), per_microbatch=False, precedes=(Op.B, Op.BW), layouts=("single",),
-        replay_point=True,
+        sends=(Kind.VALID, -1), per_microbatch=False, precedes=(Op.B, Op.BW), replay_point=True,
+    ),
+    # After its last pass each rank adds its gradient statistics (squared norm, inf/NaN) to the partial
+    # sums and passes them on towards the rank of the last virtual stage, which then holds the full sums.
+    Op.S: OpFacts(
+        "step statistics", "S", needs=(Needs(Op.S, -1),), completes=(Op.S,), time=(), memory=(),
+        sends=(Kind.STATS, +1), per_microbatch=False, last=True,
     ),
 }
 OPS = tuple(Op)
@@ -127,21 +144,15 @@ def as_op(value) -> Op:
 
 
 def per_rank_ops() -> tuple[Op, ...]:
-    """Ops that run once per rank rather than once per microbatch (V)."""
+    """Ops that run once per rank rather than once per microbatch (V, S)."""
     return tuple(op for op, f in TABLE.items() if not f.per_microbatch)
+
+
+def per_rank_chunk(chunks: int) -> int:
+    """The chunk a once-per-rank pass names: the rank's last (its stages form a chain over all ranks)."""
+    return chunks - 1
 
 
 def carries_microbatch(kind: Kind) -> bool:
     """Whether messages of this kind belong to one microbatch (not so for a once-per-rank op's output)."""
     return any(f.sends is not None and f.sends[0] == kind for f in TABLE.values() if f.per_microbatch)
-
-
-def refuse_layout(op: Op, schedule_name: str, layout: str) -> None:
-    """An op defined for some layouts only (V: one stage per rank) refuses a schedule in another."""
-    allowed = facts(op).layouts
-    if allowed is not None and layout not in allowed:
-        names = " or ".join(f"'{name}'" for name in allowed)
-        raise ScheduleError(
-            f"{facts(op).noun} supports only the {names} layout, but schedule '{schedule_name}' uses the "
-            f"{layout!r} layout"
-        )

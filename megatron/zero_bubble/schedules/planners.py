@@ -1,7 +1,7 @@
 """The schedule registry and its one entry point: `plan(name, request)` returns a validated Schedule.
 
 `SCHEDULES` holds every fact about a schedule name that a caller needs (layout, chunks, split backward,
-cost awareness, default memory limit, post-validation support, the megatron options it conflicts with,
+cost awareness, default memory limit, the megatron options it conflicts with,
 whether training offers it, and its planner); the command line, the benchmarks, the runtime and the
 training entry point read them here. `plan` fills in a request's defaults before it calls a planner, so
 planners are pure functions (stages, microbatches, costs, memory limit) -> Schedule that never import
@@ -14,15 +14,14 @@ from typing import Callable
 
 from . import auto, baselines, handcrafted, vbudget, vshape
 from .costs import Costs
-from .ops import Op, facts
-from .post_validation import refuse_unsupported_layout, with_post_validation
+from .post_validation import with_post_validation
 from .problem import MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
 from .validate import validate
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind",
            "conflicting_options", "default_memory_limit", "layout_of", "natural_chunks", "pipeline_schedule_names",
-           "plan", "post_validation_schedules", "resolve", "schedule_kind", "split_backward_schedules"]
+           "plan", "resolve", "schedule_kind", "split_backward_schedules"]
 
 
 @dataclass(frozen=True)
@@ -40,9 +39,6 @@ _V_PLACEMENT = tuple(
                    "decoder_last_pipeline_num_layers", "mtp_num_layers",
                    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 )
-_SPLIT_BACKWARD = (
-    Conflict("overlap_grad_reduce", "deferred weight gradients finish after megatron's per-parameter hooks"),
-)
 
 
 @dataclass(frozen=True)
@@ -59,14 +55,8 @@ class ScheduleKind:
     trainable: bool = True  # offered by pretrain_gpt.py (--pipeline-schedule) and run by the runtime
 
     @property
-    def post_validation(self) -> bool:
-        """Whether the post-validation pass V can be inserted (V's row in ops.TABLE names its layouts)."""
-        layouts = facts(Op.V).layouts
-        return layouts is None or self.layout in layouts
-
-    @property
     def conflicting_options(self) -> tuple[Conflict, ...]:
-        return (_V_PLACEMENT if self.layout == "v" else ()) + (_SPLIT_BACKWARD if self.split_backward else ())
+        return _V_PLACEMENT if self.layout == "v" else ()
 
 
 def _v_shape(planner) -> Callable[[PlanRequest], Schedule]:
@@ -132,11 +122,6 @@ def split_backward_schedules() -> tuple[str, ...]:
     return tuple(name for name in pipeline_schedule_names() if SCHEDULES[name].split_backward)
 
 
-def post_validation_schedules() -> tuple[str, ...]:
-    """Of those, the ones that can run with optimizer post-validation."""
-    return tuple(name for name in pipeline_schedule_names() if SCHEDULES[name].post_validation)
-
-
 def resolve(name: str, request: PlanRequest) -> PlanRequest:
     """The request with its defaults filled in from the registry: chunks, costs and memory limit."""
     kind = schedule_kind(name)
@@ -157,8 +142,6 @@ def plan(name: str, request: PlanRequest) -> Schedule:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
     if kind.layout == "v" and (request.chunks or kind.chunks) != kind.chunks:
         raise ScheduleError(f"{name} places exactly 2 chunks per rank (a V), got chunks={request.chunks}")
-    if request.post_validation and not kind.post_validation:  # before planning: V shapes can take a while
-        refuse_unsupported_layout(name, kind.layout)
     request = resolve(name, request)
     schedule = kind.build(request)
     if request.post_validation:

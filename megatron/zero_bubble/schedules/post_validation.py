@@ -1,11 +1,16 @@
-"""The post-validation pass V: the optimizer step leaves the critical path (paper, "Bypassing the
-optimizer synchronisation").
+"""The post-validation passes S and V: the optimizer step leaves the critical path (paper, "Bypassing
+the optimizer synchronisation").
 
-Every rank steps its optimizer speculatively at the end of iteration n. The fully reduced state (grad
-norm, inf/NaN flag) then travels from rank p-1 down to rank 0 during the warm-up of iteration n+1: V on
-rank r receives it from rank r+1 (rank p-1 has it already), validates, maybe rolls back and re-steps, and
-sends it on to rank r-1. V sits right before the rank's first B (or BW): everything before it is warm-up
-F work, so the wait for the result hides behind the warm-up of the ranks above.
+After its last pass of iteration n each rank runs S: it adds its gradient statistics (squared norm,
+inf/NaN) to the partial sums it received and sends them on, then steps its optimizer speculatively.
+The statistics chain ends at the rank of the last virtual stage (p-1; rank 0 in a V), which then holds
+the full sums. They travel back to every rank during the warm-up of iteration n+1: V on each rank
+receives them from the rank before it in the validation chain, validates (maybe rolls back and
+re-steps) and sends them on. V sits right before the rank's first B (or BW): everything before it is
+warm-up F work, so the wait hides behind the warm-up of the ranks ahead in the chain. Both chains follow
+the last chunks' virtual stages (ops.TABLE), one rank each, so they work for every layout: in 1F1B and
+interleaved schedules the result walks from rank p-1 down to rank 0, in a V from rank 0 up, which is the
+order in which those ranks run their first backward.
 
 After a rollback every pass a rank ran before its V used speculative weights. Each rank then runs its
 `RollbackProgram`: `after_validation` (pass the result on, drain the stale messages the other ranks sent
@@ -18,31 +23,41 @@ import copy
 from dataclasses import dataclass, replace
 
 from .comm import Action, Message, Recv, Send, check_lowering
-from .ops import Op, facts, refuse_layout
+from .ops import Op, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
 
-VALIDATION = Pass(Op.V, 0, 0)
-RESULT = facts(Op.V).sends[0]  # the kind of message that carries the result down the ranks
+RESULT = facts(Op.V).sends[0]  # the kind of message that carries the result along the ranks
 
 
-def refuse_unsupported_layout(name: str, layout: str) -> None:
-    """Post-validation needs one stage per rank: the result walks down the ranks once, before any B."""
-    refuse_layout(Op.V, name, layout)
+def validation_pass(chunks: int) -> Pass:
+    return Pass(Op.V, 0, per_rank_chunk(chunks))
+
+
+def statistics_pass(chunks: int) -> Pass:
+    return Pass(Op.S, 0, per_rank_chunk(chunks))
 
 
 def with_post_validation(schedule: Schedule) -> Schedule:
-    """A copy with one V on each rank right before its first B or BW (at the end if it has none)."""
-    name = schedule.name or "(unnamed)"
-    refuse_unsupported_layout(name, schedule.layout)
+    """A copy with one V on each rank right before its first B or BW (at the end if it has none), and one
+    S after its last pass."""
     if schedule.has_post_validation():
+        name = schedule.name or "(unnamed)"
         raise ScheduleError(f"schedule '{name}' ({schedule.layout} layout) already has post-validation passes")
     ranks = []
+    validation, statistics = validation_pass(schedule.chunks), statistics_pass(schedule.chunks)
     for passes in schedule.ranks:
         first_backward = next((i for i, p in enumerate(passes) if p.op in facts(Op.V).precedes), len(passes))
-        ranks.append(passes[:first_backward] + [VALIDATION] + passes[first_backward:])
+        ranks.append(passes[:first_backward] + [validation] + passes[first_backward:] + [statistics])
     info = copy.deepcopy(schedule.info)
     info["post_validation"] = True
     return replace(schedule, ranks=ranks, info=info)
+
+
+def validation_only(stages: int, chunks: int, layout: str) -> Schedule:
+    """One V per rank and nothing else: the result's walk when a pending step is validated outside an
+    iteration (before evaluation, a checkpoint or the end of training)."""
+    return Schedule(stages, chunks, 1, layout, [[validation_pass(chunks)] for _ in range(stages)],
+                    name="post-validation only")
 
 
 @dataclass
@@ -70,7 +85,8 @@ def pre_validation_messages(programs: list[list[Action]]) -> set[Message]:
 
 
 def _is_validation(item: Action) -> bool:
-    """V itself, or a Send/Recv of the validation result: neither is replayed after a rollback."""
+    """V itself, or a Send/Recv of the validation result: neither is replayed after a rollback (S is: it
+    comes after V)."""
     if isinstance(item, Pass):
         return item.op == Op.V
     return item.msg.kind == RESULT

@@ -2,7 +2,8 @@
 
 Passes are F (forward), B (gradient w.r.t. the input), W (gradient w.r.t. the weights) and BW (fused
 backward, as 1F1B runs it). Each names a microbatch and a model chunk; the layout maps (rank, chunk) to a
-virtual stage. V is the post-validation pass (post_validation.py): one per rank, always Pass("V", 0, 0).
+virtual stage. V and S are the post-validation passes (post_validation.py): one each per rank, as
+microbatch 0 on the rank's last chunk.
 What each kind of pass needs, costs and sends is in ops.TABLE.
 The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
 """
@@ -87,7 +88,7 @@ class Schedule:
         return any(facts(p.op).split for passes in self.ranks for p in passes)
 
     def has_post_validation(self) -> bool:
-        return any(p.op == Op.V for passes in self.ranks for p in passes)
+        return any(p.op in (Op.V, Op.S) for passes in self.ranks for p in passes)
 
     def passes(self) -> Iterator[tuple[int, int, Pass]]:
         """(rank, position, pass) for every pass."""

@@ -3,8 +3,11 @@
 Each rank runs its passes in the given order; a pass starts when its rank is free and its
 dependencies have ended (plus T_comm when the dependency ran on another rank). Dependencies and
 durations are the rows of ops.TABLE: F(mb, s) after F(mb, s-1); B(mb, s) after F(mb, s) and
-B(mb, s+1); W(mb, s) after B(mb, s); a BW is a B and a W at once; the post-validation pass V takes no
-time and waits for the V of the next rank (the validation result travels from rank p-1 down to rank 0).
+B(mb, s+1); W(mb, s) after B(mb, s); a BW is a B and a W at once. The once-per-rank passes of
+post-validation take no time: V waits for the V of the rank before it in the validation chain, S (after
+a rank's last pass) for the S of the rank before it in the statistics chain. Spans and the makespan count
+the passes that take time: a rank waiting at its S for the statistics of the others is not in its
+iteration's span (it waits for them only before stepping, while the next iteration's warm-up starts).
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ def provides(p: Pass, vstage: int) -> tuple[PassKey, ...]:
     return tuple((op, p.mb, vstage) for op in facts(p.op).completes)
 
 
-def requires(p: Pass, vstage: int, num_vstages: int) -> tuple[PassKey, ...]:
-    return facts(p.op).needs_at(p.mb, vstage, num_vstages)
+def requires(p: Pass, vstage: int, num_vstages: int, stages: int) -> tuple[PassKey, ...]:
+    return facts(p.op).needs_at(p.mb, vstage, num_vstages, stages)
 
 
 def duration(p: Pass, vstage: int, costs: Costs) -> float:
@@ -45,13 +48,21 @@ class Timeline:
     ranks: list[list[TimedPass]]
     peak_memory: list[float]
 
+    def timed_ends(self, rank: int) -> tuple[TimedPass, TimedPass] | None:
+        """The rank's first and last pass that takes time (V and S do not), None if it has none."""
+        passes = self.ranks[rank]
+        first = next((t for t in passes if facts(t.op.op).takes_time), None)
+        last = next((t for t in reversed(passes) if facts(t.op.op).takes_time), None)
+        return None if first is None else (first, last)
+
     @property
     def makespan(self) -> float:
-        return max((r[-1].end for r in self.ranks if r), default=0.0)
+        ends = (self.timed_ends(r) for r in range(len(self.ranks)))
+        return max((e[1].end for e in ends if e is not None), default=0.0)
 
     def span(self, rank: int) -> float:
-        passes = self.ranks[rank]
-        return passes[-1].end - passes[0].start if passes else 0.0
+        ends = self.timed_ends(rank)
+        return ends[1].end - ends[0].start if ends is not None else 0.0
 
     def busy(self, rank: int) -> float:
         return sum(t.end - t.start for t in self.ranks[rank])
@@ -100,7 +111,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 row = rows.get((op.op, vs))
                 if row is None:
                     f = facts(op.op)
-                    needs = tuple((n.op, vs + n.offset) for n in f.needs if 0 <= vs + n.offset < nv)
+                    needs = tuple((n.op, f.linked_stage(vs, n.offset, nv, p)) for n in f.needs)
+                    needs = tuple((need, stage) for need, stage in needs if stage is not None)
                     row = rows[op.op, vs] = (needs, f.duration(costs, vs), f.completes)
                 needs, length, completes = row
                 ready, mb = 0.0, op.mb
@@ -136,7 +148,8 @@ def _deadlock_message(schedule: Schedule, pos: list[int], ended: dict) -> str:
             where[key] = (rank, op)
     rank = next(r for r in range(schedule.stages) if pos[r] < len(schedule.ranks[r]))
     op = schedule.ranks[rank][pos[rank]]
-    missing = next(d for d in requires(op, schedule.virtual_stage(rank, op.chunk), nv) if d not in ended)
+    missing = next(d for d in requires(op, schedule.virtual_stage(rank, op.chunk), nv, schedule.stages)
+                   if d not in ended)
     if missing not in where:
         return (
             f"rank {rank} cannot run {op.describe()}: no rank runs {missing[0]} of microbatch {missing[1]} "

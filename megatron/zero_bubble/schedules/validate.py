@@ -1,6 +1,6 @@
 """Check a schedule before anything runs it; every problem is one sentence naming rank, pass and microbatch.
 
-Checks, in order: the shape (ranks, layout, ranges), the once-per-rank passes (V) if any, that every
+Checks, in order: the shape (ranks, layout, ranges), the once-per-rank passes (V, S) if any, that every
 (microbatch, virtual stage) gets its work done exactly once (F, B and W, or F and BW) with each pass
 after the same-stage passes it needs, that the order cannot deadlock (compute dependencies, then the
 lowered send/receive order between neighbouring ranks, and with V the replay after a rollback), and
@@ -11,7 +11,7 @@ from __future__ import annotations
 from .comm import check_lowering, lower
 from .costs import Costs
 from .memory import memory_profile
-from .ops import MICROBATCH_WORK, OPS, facts, per_rank_ops, refuse_layout
+from .ops import MICROBATCH_WORK, OPS, facts, per_rank_chunk, per_rank_ops
 from .post_validation import check_rollback
 from .problem import MemoryLimit
 from .schedule import LAYOUTS, Schedule, ScheduleError
@@ -35,7 +35,7 @@ def check_structure(schedule: Schedule) -> None:
     if len(s.ranks) != s.stages:
         raise ScheduleError(f"the schedule lists {len(s.ranks)} ranks but says stages={s.stages}")
     for rank, _, p in s.passes():
-        if not facts(p.op).per_microbatch:  # no microbatch of its own: check_once_per_rank checks mb 0, chunk 0
+        if not facts(p.op).per_microbatch:  # no microbatch of its own: check_once_per_rank checks it
             continue
         if not 0 <= p.mb < s.microbatches:
             raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
@@ -48,10 +48,10 @@ def check_structure(schedule: Schedule) -> None:
 
 
 def check_once_per_rank(schedule: Schedule, op) -> None:
-    """Exactly one `op` per rank (V), as microbatch 0 and chunk 0, before the passes it must precede, in a
-    layout it is defined for."""
+    """Exactly one `op` per rank (V, S), as microbatch 0 on the rank's last chunk, before the passes it must
+    precede (after all others if it comes last)."""
     f = facts(op)
-    refuse_layout(op, schedule.name or "(unnamed)", schedule.layout)
+    chunk = per_rank_chunk(schedule.chunks)
     for rank, passes in enumerate(schedule.ranks):
         positions = [pos for pos, p in enumerate(passes) if p.op == op]
         if len(positions) != 1:
@@ -59,16 +59,20 @@ def check_once_per_rank(schedule: Schedule, op) -> None:
                 f"rank {rank} runs the {f.noun} pass {len(positions)} times; it needs exactly one {op} per rank"
             )
         own = passes[positions[0]]
-        if (own.mb, own.chunk) != (0, 0):
+        if (own.mb, own.chunk) != (0, chunk):
             raise ScheduleError(
                 f"rank {rank}'s {f.noun} pass names microbatch {own.mb} and chunk {own.chunk}; "
-                f"{op} is always mb 0, chunk 0"
+                f"{op} is always microbatch 0 on the rank's last chunk ({chunk})"
             )
         early = next((p for p in passes[: positions[0]] if p.op in f.precedes), None)
         if early is not None:
             raise ScheduleError(
                 f"rank {rank} runs {early.describe()} before its {f.noun} pass; "
                 f"{op} must precede every {' and '.join(f.precedes)}"
+            )
+        if f.last and positions[0] != len(passes) - 1:
+            raise ScheduleError(
+                f"rank {rank} runs {passes[-1].describe()} after its {f.noun} pass; {op} must be its last pass"
             )
 
 

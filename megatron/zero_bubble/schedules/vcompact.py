@@ -146,7 +146,7 @@ class _Facts:
 
     def __init__(self, schedule: Schedule, costs: Costs):
         self.schedule, self.costs, self.rows, self.users = schedule, costs, {}, {}
-        self.nv = schedule.num_virtual_stages
+        self.nv, self.p = schedule.num_virtual_stages, schedule.stages
 
     def _comm(self, a: int, b: int) -> float:
         owner = self.schedule.owner
@@ -156,7 +156,8 @@ class _Facts:
         row = self.rows.get((op, v))
         if row is None:
             f = facts(op)
-            needs = tuple((n.op, v + n.offset, self._comm(v + n.offset, v)) for n in f.needs if 0 <= v + n.offset < self.nv)
+            linked = ((n.op, f.linked_stage(v, n.offset, self.nv, self.p)) for n in f.needs)
+            needs = tuple((need, u, self._comm(u, v)) for need, u in linked if u is not None)
             row = self.rows[op, v] = (needs, f.completes, f.duration(self.costs, v), f.memory_change(self.costs, v))
         return row
 
@@ -167,7 +168,9 @@ class _Facts:
             done = facts(op).completes
             found = self.users[op, v] = tuple(
                 (other, v - n.offset, self._comm(v, v - n.offset))
-                for other in OPS for n in facts(other).needs if n.op in done and 0 <= v - n.offset < self.nv)
+                for other in OPS for n in facts(other).needs
+                if n.op in done and 0 <= v - n.offset < self.nv
+                and facts(other).linked_stage(v - n.offset, n.offset, self.nv, self.p) == v)
         return found
 
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from ..schedules.planners import (SCHEDULES, PlanRequest, conflicting_options, layout_of, natural_chunks,
-                                  pipeline_schedule_names, plan, post_validation_schedules,
-                                  split_backward_schedules)
+                                  pipeline_schedule_names, plan, split_backward_schedules)
 from ..schedules.schedule import ScheduleError
 
 # What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
@@ -36,8 +35,6 @@ DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in th
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
-# Single-layout schedules: the V pass and its replay are defined for one model chunk per rank.
-POST_VALIDATION_SCHEDULES = post_validation_schedules()
 
 
 class StartupRefusal(Exception):
@@ -289,15 +286,47 @@ def _is_number(text: str) -> bool:
         return False
 
 
+# MoE options that need CUDA (the CPU backend runs megatron's local experts: SequentialMLP, alltoall/allgather).
+MOE_CUDA_ONLY = {
+    "moe_grouped_gemm": "the grouped experts are Transformer Engine's TEGroupedMLP; on CPU the local experts run "
+                        "one after another (SequentialMLP)",
+    "moe_permute_fusion": "Transformer Engine's fused permutation kernels",
+    "moe_shared_expert_overlap": "it runs the shared experts beside the token dispatch on a CUDA stream",
+}
+
+
 def check_without_zero_bubble(args) -> None:
-    """Checks that apply to every run of the entry script (its own data, the CPU backend)."""
+    """Checks that apply to every run of the entry script (its own data, MoE, the CPU backend)."""
     check_input_files(args)
+    _check_local_experts(args)
     if _cuda_available():
         return
     if args.distributed_backend != "gloo":
         raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
     if args.transformer_impl == "transformer_engine":
         raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+    if not args.num_experts:
+        return
+    for name, why in MOE_CUDA_ONLY.items():
+        if getattr(args, name, False):
+            raise StartupRefusal(f"--{name.replace('_', '-')} needs CUDA ({why}); on CPU drop the flag")
+    if args.moe_token_dispatcher_type == "flex":
+        raise StartupRefusal("--moe-token-dispatcher-type flex needs CUDA (DeepEP / HybridEP); on CPU use alltoall "
+                             "or allgather")
+
+
+def _check_local_experts(args) -> None:
+    """megatron-core 0.19.2's local experts (SequentialMLP) with linear biases add the bias in place to the
+    output of their all-reduce, which over a single rank is their input returned as is: autograd refuses it at
+    the first forward, on any device, unless expert or expert-tensor parallelism makes the reduction explicit."""
+    if not args.num_experts or not args.add_bias_linear or args.transformer_impl != "local":
+        return
+    expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if args.expert_model_parallel_size == 1 and expert_tp == 1:
+        raise StartupRefusal(
+            "--num-experts with linear biases fails in megatron-core's local experts at --expert-model-parallel-size "
+            "1 and expert tensor parallel size 1 (an in-place bias add on an all-reduce over one rank); add "
+            "--disable-bias-linear")
 
 
 def _through_runtime(args, schedule: str) -> bool:
@@ -392,6 +421,18 @@ def _check_conflicts(args, schedule: str, flag: str) -> None:
             raise StartupRefusal(f"{option} does not work with {flag} ({conflict.reason}); drop {option}")
 
 
+# What the zero-bubble runtime cannot drive, whatever the schedule: the megatron option and why.
+_NOT_WITH_THE_RUNTIME = {
+    "delay_wgrad_compute": "its weight gradients wait for backward_dw(), which only megatron's own schedules call",
+    "overlap_param_gather_with_optimizer_step": "it leaves the later chunks' parameter gathers to megatron's "
+                                                "interleaved schedule",
+    "use_megatron_fsdp": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "use_torch_fsdp2": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "overlap_moe_expert_parallel_comm": "it is megatron's own combined-1F1B schedule (one microbatch's expert "
+                                        "all-to-all overlapped with another's compute), which the runtime replaces",
+}
+
+
 def _check_runtime(args, flag: str) -> None:
     for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
         if getattr(args, name, False):
@@ -399,6 +440,10 @@ def _check_runtime(args, flag: str) -> None:
                 f"--{name.replace('_', '-')} gives variable sequence lengths, which the zero-bubble runtime "
                 f"does not support ({flag} needs fixed pipeline tensor shapes); drop one of them"
             )
+    for name, why in _NOT_WITH_THE_RUNTIME.items():
+        if getattr(args, name, False):
+            option = "--" + name.replace("_", "-")
+            raise StartupRefusal(f"{option} does not work with the zero-bubble runtime ({flag}): {why}; drop {option}")
 
 
 def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
@@ -408,7 +453,7 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
         plan(options.schedule, PlanRequest(
             stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
             memory_limit=options.memory_limit, ilp_time_limit=0,
-            post_validation=args.enable_optimizer_post_validation and options.schedule in POST_VALIDATION_SCHEDULES,
+            post_validation=args.enable_optimizer_post_validation,
         ))
     except ScheduleError as error:
         raise StartupRefusal(f"{flag}: {error}") from None
@@ -492,23 +537,24 @@ def check_flags(args) -> tuple[str | None, str | None]:
 
 def check_post_validation(args, options: ZeroBubbleOptions, flag: str) -> None:
     """What the speculative step and its rollback support; everything else is refused here."""
-    if options.schedule not in POST_VALIDATION_SCHEDULES or not options.through_runtime:
+    if not options.through_runtime:
         raise StartupRefusal(
-            f"--enable-optimizer-post-validation works with {', '.join(POST_VALIDATION_SCHEDULES)} through the "
-            f"zero-bubble runtime, not with {flag}; pick one of those or drop the flag")
+            f"--enable-optimizer-post-validation works with schedules run by the zero-bubble runtime, not with "
+            f"megatron's own ({flag}); add --enable-zb-runtime or drop the flag")
     if _given("--rerun-mode") and args.rerun_mode != "disabled":
         raise StartupRefusal(
             f"--rerun-mode {args.rerun_mode} all-reduces over every rank after each forward-backward, the barrier "
             f"--enable-optimizer-post-validation removes (without --rerun-mode it is switched off); use "
             f"--rerun-mode disabled or drop one of them")
     unsupported = {
-        "overlap_param_gather": "the next forward would gather speculative parameters before validation",
         "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
         "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
         "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
         "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
         "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
-        "num_experts": "expert parameters reduce their statistics over other groups, which are not chained",
+        "moe_enable_routing_replay": "the routing it records or replays is not rewound when passes are replayed",
+        "moe_routing_trace_path": "the router trace would record the passes a rollback replays twice",
+        "save_tokens_per_expert_interval": "it would record the tokens of the passes a rollback replays twice",
         "save_params_interval": "it would save speculative parameters",
         "qk_clip": "it changes weights after the step, which a rollback would not undo",
     }

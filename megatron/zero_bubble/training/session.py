@@ -1,6 +1,6 @@
 """One object for what a zero-bubble run installs into megatron-core, and takes out again.
 
-    with ZeroBubbleSession(pipeline, split_backward=True, v_stages=None) as session:
+    with ZeroBubbleSession(pipeline, split_backward=True, v_stages=None, bucket_every_stage=False) as session:
         ...  # megatron's get_forward_backward_func now hands out `pipeline`
         session.attach_post_validation(controller, model)  # once the optimizer exists, if wanted
 
@@ -19,16 +19,19 @@ class ZeroBubbleSession:
     pipeline: object | None  # a PipelineExecutor or ReplanningPipeline; None: megatron's own schedule
     split_backward: bool = False  # the linear layers' B/W split (schedules with W passes)
     v_stages: int | None = None  # ZB-V: place the V-shaped layers for this many pipeline ranks
+    bucket_every_stage: bool = False  # megatron DDP buckets every stage's gradients (overlapped reduction)
     _installed: list = field(default_factory=list, init=False, repr=False)
 
     def install(self) -> "ZeroBubbleSession":
-        from ..patches import linear_wgrad, schedule_selection, vshape_layout
+        from ..patches import ddp_bucketing, linear_wgrad, schedule_selection, vshape_layout
 
         try:
             if self.v_stages is not None:
                 self._install(vshape_layout, self.v_stages)
             if self.split_backward:
                 self._install(linear_wgrad)
+            if self.bucket_every_stage:
+                self._install(ddp_bucketing)
             if self.pipeline is not None:
                 self._install(schedule_selection, self.pipeline)
         except BaseException:

@@ -67,7 +67,7 @@ def _current_iteration() -> int:
     return get_args().curr_iteration
 
 
-def _attach_post_validation(session, exact: bool, model, optimizer, scheduler):
+def _attach_post_validation(session, exact: bool, settings, model, optimizer, scheduler):
     """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
     from ..runtime import optimizer_rollback
     from ..runtime.post_validation import PostValidation
@@ -80,7 +80,8 @@ def _attach_post_validation(session, exact: bool, model, optimizer, scheduler):
             reason = "the in-place inverse of FusedAdam is not verified on a GPU yet; use --zero-bubble-exact-rollback"
         if reason is not None:
             arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
-    controller = PostValidation.for_optimizer(optimizer, exact=exact, scheduler=scheduler)
+    controller = PostValidation.for_optimizer(optimizer, exact=exact, scheduler=scheduler,
+                                              layout=layout_of(settings.schedule), chunks=settings.chunks)
     session.attach_post_validation(controller, model)
     _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
     return controller
@@ -96,14 +97,18 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     from ..patches import linear_wgrad
     from ..runtime.replan import ReplanningPipeline
 
-    pipeline = ReplanningPipeline(plan_settings(args, options), _current_iteration, log=_log_on_rank0,
+    settings = plan_settings(args, options)
+    pipeline = ReplanningPipeline(settings, _current_iteration, log=_log_on_rank0,
                                   split_backward_ready=linear_wgrad.installed)
     split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
     if split_backward and args.transformer_impl == "transformer_engine":
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
                       "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
     v_stages = args.pipeline_model_parallel_size if layout_of(options.schedule) == "v" else None
-    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages) as session:
+    # Every stage ends with W passes whose buckets can start early (megatron buckets the first stage only).
+    bucket_every_stage = split_backward and args.overlap_grad_reduce
+    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages,
+                           bucket_every_stage=bucket_every_stage) as session:
         if options.post_validation:
-            session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback))
+            session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback, settings))
         yield pipeline

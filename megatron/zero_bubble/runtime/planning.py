@@ -1,0 +1,138 @@
+"""What rank 0 decides when a training run (re-)plans: the costs to plan on, the memory limit, the schedule.
+
+`RankZeroPlanner.decide(m, gathered, previous)` takes what every rank reported (`gathered`: their free
+device memory, and after a timer window their measured pass times and T_comm) and returns a
+`PlanDecision`: the schedule's JSON, or why there is none. It talks to no other rank; `agreement.py`
+gathers the facts and broadcasts the decision.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from ..schedules.costs import TIME_UNITS, Costs
+from ..schedules.memory import rank_memory_limits
+from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
+from ..schedules.schedule import Schedule, ScheduleError, stage_owner
+from ..schedules.validate import validate
+
+DEVICE_MEMORY_SHARE = 0.9  # of free device memory the automatic limit lets activations take
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    schedule: str
+    stages: int
+    chunks: int
+    memory_limit: float | None  # in-flight microbatches; None: automatic (device memory on GPU)
+    ilp_time_limit: float = 10.0
+    timers_start_iter: int = 0
+    timers_end_iter: int = 0  # equal to the start: no re-planning
+    dump_dir: str | None = None
+    initial_costs: Costs | None = None  # None: unit costs
+    post_validation: bool = False  # S and V passes for the optimizer's post-update validation
+
+
+@dataclass(frozen=True)
+class PlanDecision:
+    """What rank 0 broadcasts after planning: the schedule (as JSON) or why there is none."""
+
+    schedule_json: str | None = None
+    error: str | None = None
+
+
+def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t_comm: float) -> Costs:
+    """Per-virtual-stage costs from every rank's `Profiler.report()` (a PassProfile summary with "pp_rank").
+
+    A stage's figure is the largest over its data/tensor-parallel replicas: the slowest one sets the pace.
+    A fused BW counts as B (T_W = 0), so a 1F1B run predicts its own timeline; what never ran counts 0.
+    """
+    fields = {name: [0.0] * (stages * chunks) for name in ("t_f", "t_b", "t_w", "m_f", "m_w")}
+    for vstage in range(stages * chunks):
+        rank, chunk = stage_owner(layout, stages, vstage)
+        replicas = [report for report in reports if report["pp_rank"] == rank]
+        if not replicas:
+            raise ScheduleError(f"no measurements arrived from pipeline rank {rank}")
+        worst = {}
+        for name in ("t_f", "t_b", "t_w", "t_bw", "m_f", "m_w"):
+            values = [report[name][chunk] for report in replicas if report[name][chunk] is not None]
+            worst[name] = max(values) if values else None
+        if worst["t_b"] is None:
+            worst["t_b"] = worst["t_bw"]
+        for name in fields:
+            fields[name][vstage] = worst[name] or 0.0
+    return Costs(**{name: tuple(values) for name, values in fields.items()}, t_comm=t_comm, memory_unit="bytes",
+                 time_unit="s")
+
+
+def describe_costs(costs: Costs) -> str:
+    to_ms = TIME_UNITS[costs.time_unit] / TIME_UNITS["ms"]
+
+    def span(values, scale=to_ms):
+        low, high = min(values) * scale, max(values) * scale
+        return f"{low:.3g}" if math.isclose(low, high, rel_tol=0.005) else f"{low:.3g}-{high:.3g}"
+
+    return (f"T_F {span(costs.t_f)} ms, T_B {span(costs.t_b)} ms, T_W {span(costs.t_w)} ms, "
+            f"T_comm {costs.t_comm * to_ms:.3g} ms, M_B {span(costs.m_f, 2**-20)} MiB per stage")
+
+
+class RankZeroPlanner:
+    """Plans on rank 0 from the costs it knows: estimated from the model shape, then measured."""
+
+    def __init__(self, settings: PlanSettings, log: Callable[[str], None] = print):
+        self.settings = settings
+        self.log = log
+        self.costs = settings.initial_costs  # the costs the schedule in use was planned on
+
+    @property
+    def layout(self) -> str:
+        return layout_of(self.settings.schedule)
+
+    def decide(self, m: int, gathered: list[dict], previous: Schedule | None) -> PlanDecision:
+        s = self.settings
+        costs, source = self.costs, "estimated from the model shape"
+        if costs is None:
+            costs, source = Costs.make(s.stages * s.chunks, chunks=s.chunks), "unit costs"
+        if gathered[0].get("report"):
+            t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
+            t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
+            costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
+            source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
+        cost_aware = schedule_kind(s.schedule).cost_aware
+        limit = self.memory_limit(costs, gathered) if cost_aware else None
+        try:
+            if cost_aware or previous is None:
+                schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
+                                                        memory_limit=limit, ilp_time_limit=s.ilp_time_limit,
+                                                        post_validation=s.post_validation))
+            else:  # a fixed order: only its prediction changes with the costs
+                schedule = Schedule.from_dict(previous.to_dict())
+                schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}
+        except ScheduleError as error:
+            return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})")
+        schedule.info.update(costs=costs.to_dict(), memory_limit=limit, costs_from=source)
+        if previous is not None:
+            schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
+        return PlanDecision(schedule_json=schedule.to_json())
+
+    def accept(self, schedule: Schedule) -> None:
+        """The schedule every rank agreed on: its costs are the ones to re-plan from."""
+        self.costs = Costs.from_dict(schedule.info["costs"])
+
+    def memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
+        """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
+        planner's default, else None (the planner's default, see planners.SCHEDULES)."""
+        s = self.settings
+        if s.memory_limit is not None:
+            return s.memory_limit
+        free = [facts["free_bytes"] for facts in gathered if "free_bytes" in facts]
+        if not free or costs.memory_unit != "bytes":
+            return None
+        one_microbatch = rank_memory_limits(s.stages, s.chunks, self.layout, costs, microbatches=1)
+        default = default_memory_limit(s.schedule, s.stages)
+        fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(one_microbatch), 1.0))
+        if fits < 1:  # planning goes on with one microbatch in flight, but say that it may not fit
+            self.log(f"zero-bubble: free device memory ({min(free) / 2**30:.3g} GiB) holds less than one "
+                     f"microbatch's activations; planning with --zero-bubble-max-pending-backward 1")
+        return float(max(1, min(default, fits)))
