@@ -1,7 +1,7 @@
 """Our planners against the paper's bubble-rate tables (Qi et al. 2024, tables of bubble rates from
 profiled times), plus PyTorch's ScheduleZBVZeroBubble where benchmarks/torch_reference.py can load it.
 
-    python benchmarks/plan_quality.py [--ilp-time-limit 10] [--rows 1,5,V2 | --rows 28.3B] [--quick]
+    python benchmarks/plan_quality.py [--ilp-time-limit 10] [--rows 1,5,V2 | --rows 28.3B] [--quick] [--v-only]
 
 Every bubble rate is the paper's measure: each rank from its own first to its own last pass.
 Costs per row: the profiled T_F, T_B, T_W, T_comm behind that very row of the paper's tables (per pipeline
@@ -12,7 +12,8 @@ rounded costs of the paper's text are not used. 1F1B-I gives each chunk half of 
 T_comm stays, since a chunk sends activations of the same size. The ZB-V rows' times reproduce the paper's
 ZB-V figures only when taken per chunk (equivalently: per rank with half the T_comm), so they are used
 per chunk; halving them with the full T_comm gives .1025 instead of .0697 on 6.2B/16/48.
-Each table prints the costs its row used, in ms.
+Each table prints the costs its row used, in ms. The V family (V-Half, V-Min, the budgeted V planner)
+against 1F1B and the reference implementation follows (benchmarks/v_family_quality.py).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ if str(ROOT) not in sys.path:
 
 from megatron.zero_bubble.schedules import Costs, ScheduleError, simulate, validate  # noqa: E402
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
+
+import v_family_quality  # noqa: E402  (benchmarks/, beside this script)
 
 SEQ_LENGTH = 1024
 SHAPES = {"1.5B": (2304, 24), "6.2B": (4096, 32), "14.6B": (5120, 40), "28.3B": (6144, 48)}  # hidden h, heads a
@@ -259,13 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ilp-time-limit", type=float, default=10.0, help="seconds per zb-auto ILP refinement")
     parser.add_argument("--rows", help="comma-separated: row numbers (1-12), V1-V9, or text such as 28.3B or v:6.2B")
     parser.add_argument("--quick", action="store_true",
-                        help=f"rows {', '.join(QUICK_ROWS)} only, ILP limit at most 2 s")
+                        help=f"rows {', '.join(QUICK_ROWS)} only, ILP limit at most 2 s, one timing run of the V family")
+    parser.add_argument("--v-only", action="store_true", help="only the V family's tables (issue 12)")
     args = parser.parse_args(argv)
     selectors = args.rows.split(",") if args.rows else (list(QUICK_ROWS) if args.quick else [])
     ilp_limit = min(args.ilp_time_limit, 2.0) if args.quick else args.ilp_time_limit
     main_rows, zbv_rows = select([s.strip() for s in selectors if s.strip()])
     errors: list[str] = []
     goals: list[tuple[str, bool]] = []
+    if args.v_only:
+        main_rows, zbv_rows = [], []
     print(f"ILP time limit {ilp_limit:g} s per zb-auto run; costs: each row's own profiled times, in ms")
     above = main_table(main_rows, ilp_limit, errors, goals) if main_rows else []
     if above:
@@ -274,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label:>12}: {heuristic:.4f} -> {'n/a' if refined is None else f'{refined:.4f}'} ({paper:.4f})")
     if zbv_rows:
         zbv_table(zbv_rows, errors, goals)
-    heuristic_timing(errors, goals)
-    if ilp_limit > 0:
-        ilp_refinement(ilp_limit, errors, goals)
+    if not args.v_only:
+        heuristic_timing(errors, goals)
+        if ilp_limit > 0:
+            ilp_refinement(ilp_limit, errors, goals)
+    v_family_quality.v_tables(errors, goals, timing_runs=1 if args.quick else 3)
     if errors:
         print("\nNot computed:")
         for line in errors:

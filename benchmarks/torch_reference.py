@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate
 from megatron.zero_bubble.schedules.memory import rank_memory_limits
 from megatron.zero_bubble.schedules.schedule import stage_owner
-from megatron.zero_bubble.schedules.vshape import zb_v
+from megatron.zero_bubble.schedules.vbudget import zb_v
 
 _OPS = {"F": "F", "I": "B", "W": "W"}  # torch's computation types -> our passes
 

@@ -13,7 +13,7 @@ from megatron.zero_bubble.schedules import Costs, MemoryLimit, ScheduleError
 from megatron.zero_bubble.schedules import planners
 from megatron.zero_bubble.schedules.auto import zb_auto
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan, resolve
-from megatron.zero_bubble.schedules.vshape import zb_v
+from megatron.zero_bubble.schedules.vbudget import zb_v
 
 SCHEDULES_DIR = Path(planners.__file__).parent
 

@@ -3,7 +3,7 @@
     zb-schedule export   --schedule zb-h1 --stages 4 --microbatches 8 [-o plan.json]
     zb-schedule simulate --schedule zb-auto -p 8 -m 24 --memory-limit 16 --t-f 18.5 --t-b 18.1 --t-w 9.3
     zb-schedule draw     --input plan.json -o plan.png        (no -o: a text picture on stdout)
-    zb-schedule compare  --schedules 1f1b,zb-h1,zb-v --model 1.5b -m 24 [-o all.svg]
+    zb-schedule compare  --schedules 1f1b,zb-h1,zb-v --model 1.5b -m 24 [-o all.svg] [--tradeoff budget.png]
 
 Every planner is reached through `planners.plan`; bad input ends with one line on stderr, never a traceback.
 """
@@ -20,13 +20,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from .costs import DEFAULT_MW_RATIO, Costs
-from .draw import check_picture_path, comparison_table, draw, draw_stacked, render_text, simulation_report
+from .draw import (check_picture_path, comparison_table, draw, draw_budget_curve, draw_stacked, render_text,
+                   simulation_report)
 from .planners import SCHEDULE_NAMES, PlanRequest, layout_of, natural_chunks, plan
 from .post_validation import with_post_validation
 from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
 from .simulate import Timeline, simulate
 from .validate import validate
+from .vbudget import MEM_SETUPS, budget_curve, mem_setup_limit
 
 PROG = "zb-schedule"
 # The paper's evaluated models (seq 1024); the vocabulary is GPT-2's padded to a multiple of 128 (our choice).
@@ -177,7 +179,18 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
     )
 
 
-def _memory_limit(args, costs: Costs) -> MemoryLimit | None:
+def _memory_limit(args, costs: Costs, layout: str, stages: int) -> MemoryLimit | None:
+    """--memory-limit, or for the V schedules --mem-setup (the reference implementation's short form)."""
+    setup = getattr(args, "mem_setup", None)
+    if setup is not None:
+        if args.memory_limit is not None:
+            raise UsageError("give either --memory-limit or --mem-setup, not both")
+        if layout == "v":
+            return MemoryLimit(mem_setup_limit(setup, stages))
+        if args.command != "compare":  # compare applies it to the V schedules it lists and no others
+            raise UsageError(f"--mem-setup applies to the V schedules (zb-v, v-half, v-min), not to the "
+                             f"{layout!r} layout")
+        return None
     microbatches, absolute = parse_memory_limit(args.memory_limit)
     if absolute is not None and costs.memory_unit != "bytes":
         raise UsageError("a memory limit in bytes needs costs in bytes: give a model shape (--model or --layers ...)")
@@ -197,7 +210,7 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
     if args.ilp_time_limit < 0:
         raise UsageError(f"--ilp-time-limit must not be negative, got {args.ilp_time_limit}")
     costs = build_costs(args, args.stages, chunks_for(name, args), layout_of(name))
-    memory_limit = _memory_limit(args, costs)
+    memory_limit = _memory_limit(args, costs, layout_of(name), args.stages)
     ilp = f"; its ILP refinement may take up to {args.ilp_time_limit:g} s (--ilp-time-limit)" \
         if name == "zb-auto" and args.ilp_time_limit > 0 else ""
     progress = _Progress(name, progress_stream, f"p={args.stages}, m={args.microbatches}{ilp}")
@@ -238,7 +251,7 @@ def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
         costs = Costs.from_dict(schedule.info["costs"])
     else:
         costs = Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
-    return schedule, costs, validate(schedule, costs, _memory_limit(args, costs))
+    return schedule, costs, validate(schedule, costs, _memory_limit(args, costs, schedule.layout, schedule.stages))
 
 
 def _schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs, Timeline]:
@@ -289,6 +302,8 @@ def cmd_compare(args) -> int:
         raise UsageError("compare needs --schedules a,b,c (or --schedules repeated)")
     if args.output:
         check_picture_path(args.output)
+    if args.tradeoff:
+        check_picture_path(args.tradeoff)
     rows, timelines, skipped = [], [], []
     for name in names:
         try:
@@ -314,7 +329,38 @@ def cmd_compare(args) -> int:
     elif args.output:
         draw_stacked(timelines, args.output)
         print(f"wrote {args.output}")
+    if args.tradeoff:
+        draw_tradeoff(args, rows, args.tradeoff)
+        print(f"{PROG}: wrote {args.tradeoff}", file=sys.stderr)  # stdout stays the table it always was
     return int(any(not isinstance(e, PlannerUnavailable) for _, e in skipped))
+
+
+def draw_tradeoff(args, rows, path) -> None:
+    """Bubble against the memory budget for the V planner on these costs, with V-Min, V-Half and ZB-V
+    marked and every other compared schedule as a point at its peak memory."""
+    costs = build_costs(args, args.stages, 2, "v")
+    progress = _Progress("tradeoff", what=f"the V planner's budgets from V-Min's to p M_B, p={args.stages}, "
+                         f"m={args.microbatches}")
+    try:
+        curve = budget_curve(args.stages, args.microbatches, costs, progress)
+    finally:
+        progress.finish()
+    by_level = {level: (budget, bubble) for level, budget, bubble in curve}
+    named = [(name, *by_level[mem_setup_limit(setup, args.stages)])
+             for name, setup in (("v-min", "min"), ("v-half", "half"), ("zb-v", "zb"))
+             if mem_setup_limit(setup, args.stages) in by_level]
+    others = [(name, max(t.peak_memory), t.bubble_rate) for name, t, _ in rows if t.schedule.layout != "v"]
+    title = (f"bubble against memory budget, p={args.stages}, m={args.microbatches}\ncosts per rank: "
+             f"T_F {_times(costs.t_f)}, T_B {_times(costs.t_b)}, T_W {_times(costs.t_w)}, "
+             f"T_comm {costs.t_comm:.3g} {costs.time_unit}")
+    draw_budget_curve([(budget, bubble) for _, budget, bubble in curve], named, others, path,
+                      costs.memory_unit, title)
+
+
+def _times(per_chunk) -> str:
+    """A V's per-chunk times as the per-rank figures users give (both chunks, 3 digits), a range if they differ."""
+    values = sorted({float(f"{2 * t:.3g}") for t in per_chunk})
+    return f"{values[0]:g}" if len(values) == 1 else f"{values[0]:g} to {values[-1]:g}"
 
 
 def build_parser(extensions=()) -> argparse.ArgumentParser:
@@ -339,6 +385,9 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
     for name in ("layers", "hidden", "heads", "seq-length", "micro-batch-size", "vocab-size"):
         common.add_argument(f"--{name}", type=int, help="model shape for Costs.from_model (sequence default "
                             f"{PRESET_SEQ_LENGTH}, vocabulary default {PRESET_VOCAB})")
+    common.add_argument("--mem-setup", choices=tuple(MEM_SETUPS), help="V schedules' budget in the reference "
+                        "implementation's short form: min = floor((p+4)/3) M_B, half = floor((p+2)/2), zb = p "
+                        "(instead of --memory-limit)")
     common.add_argument("--ilp-time-limit", type=float, default=10.0,
                         help="seconds for zb-auto's ILP refinement (default 10 s; 0: heuristic only)")
     common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
@@ -361,6 +410,8 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
     sub.add_argument("--schedules", "--schedule", action="append", help="comma-separated names, or repeat the option")
     sub.add_argument("-o", "--output", help="a picture (.png/.svg) with all schedules stacked")
     sub.add_argument("--separate", action="store_true", help="with -o: one picture per schedule, FILE-<name>.png")
+    sub.add_argument("--tradeoff", help="also draw bubble against memory budget (.png/.svg): the V planner for "
+                     "every budget from V-Min's to p M_B on these costs, the other schedules at their peak")
     sub.set_defaults(run=cmd_compare, input=None)
     for extend in extensions:
         extend(commands, common, _one_schedule_options)

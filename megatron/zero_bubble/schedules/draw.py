@@ -254,3 +254,48 @@ def render_text(timeline: Timeline, width: int = 100) -> str:
                 row[c] = char
         lines.append(f"rank {rank}".ljust(label_width) + "|" + "".join(row) + "|")
     return "\n".join(lines)
+
+
+def draw_budget_curve(curve: Sequence[tuple[float, float]], named: Sequence[tuple[str, float, float]],
+                      others: Sequence[tuple[str, float, float]], path: str | Path, memory_unit: str,
+                      title: str) -> Path:
+    """Bubble rate against the per-rank memory budget: the V planner's best plan for each budget it plans
+    for (a step line: a budget between two levels gets the lower level's plan), its named members
+    (V-Min, V-Half, ZB-V) and other schedules at their own peak memory, as points.
+
+    curve: (budget, bubble); named and others: (label, peak memory, bubble); memory in the costs' unit.
+    """
+    path = Path(path)
+    check_picture_path(path)
+    if not curve and not others:
+        raise ScheduleError("nothing to draw: no plan was made")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    scale, unit = (2**30, "GiB") if memory_unit == "bytes" else (1.0, "M_B")
+    fig = Figure(figsize=(8.0, 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    if curve:
+        xs, ys = [x / scale for x, _ in curve], [y for _, y in curve]
+        ax.step(xs, ys, where="post", color=OP_COLOURS["F"], linewidth=1.8, label="V planner, best plan per budget")
+        ax.plot(xs, ys, "o", color=OP_COLOURS["F"], markersize=3)
+    for label, peak, bubble in named:
+        ax.plot(peak / scale, bubble, "D", color=OP_COLOURS["F"], markersize=7)
+        ax.annotate(label, (peak / scale, bubble), textcoords="offset points", xytext=(6, 6), fontsize=8)
+    for label, peak, bubble in others:
+        ax.plot(peak / scale, bubble, "s", color=OP_COLOURS["W"], markersize=7)
+        ax.annotate(label, (peak / scale, bubble), textcoords="offset points", xytext=(6, -12), fontsize=8)
+    if others:
+        ax.plot([], [], "s", color=OP_COLOURS["W"], label="other schedules, at their peak memory")
+    what = "M_B: one microbatch's activations on one rank" if unit == "M_B" else "bytes of activations"
+    ax.set_xlabel(f"memory budget per rank ({unit}; {what})")
+    ax.set_ylabel("bubble rate (paper's measure: each rank's own span)")
+    ax.set_ylim(bottom=0)
+    ax.grid(color="#dddddd", linewidth=0.5)
+    ax.set_axisbelow(True)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    return path

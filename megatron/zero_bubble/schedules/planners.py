@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from . import auto, baselines, handcrafted, vshape
+from . import auto, baselines, handcrafted, vbudget, vshape
 from .costs import Costs
 from .post_validation import with_post_validation
 from .problem import MemoryLimit, PlanRequest
@@ -77,11 +77,11 @@ SCHEDULES: dict[str, ScheduleKind] = {
         "single", 1, split_backward=True, cost_aware=True, default_memory_limit=auto.default_memory_limit,
         build=lambda r: auto.zb_auto(r.stages, r.microbatches, r.costs, r.memory_limit,
                                      ilp_time_limit=r.ilp_time_limit, progress=r.progress)),
-    "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.zb_v),
+    "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.zb_v),
                          default_memory_limit=vshape.zb_v_memory_limit),
-    "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.v_half),
+    "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_half),
                            default_memory_limit=vshape.v_half_memory_limit, trainable=False),
-    "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vshape.v_min),
+    "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_min),
                           default_memory_limit=vshape.v_min_memory_limit, trainable=False),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)

@@ -96,14 +96,18 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     timed: list[list[TimedPass]] = [[] for _ in range(p)]
     pos, free = [0] * p, [0.0] * p
     rows: dict[tuple[Op, int], tuple] = {}  # the table's row per (op, virtual stage), worked out once
+    stage_of: dict[tuple[int, int], int] = {}  # (rank, chunk) -> virtual stage
+    t_comm = costs.t_comm
     progressed = True
     while progressed:
         progressed = False
         for rank in range(p):
-            passes = schedule.ranks[rank]
-            while pos[rank] < len(passes):
-                op = passes[pos[rank]]
-                vs = schedule.virtual_stage(rank, op.chunk)
+            passes, at, end = schedule.ranks[rank], pos[rank], free[rank]
+            while at < len(passes):
+                op = passes[at]
+                vs = stage_of.get((rank, op.chunk))
+                if vs is None:
+                    vs = stage_of[rank, op.chunk] = schedule.virtual_stage(rank, op.chunk)
                 row = rows.get((op.op, vs))
                 if row is None:
                     f = facts(op.op)
@@ -111,20 +115,25 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                     needs = tuple((need, stage) for need, stage in needs if stage is not None)
                     row = rows[op.op, vs] = (needs, f.duration(costs, vs), f.completes)
                 needs, length, completes = row
-                deps = [(need, op.mb, stage) for need, stage in needs]
-                if any(d not in ended for d in deps):
-                    break
-                ready = max(
-                    (ended[d][0] + (costs.t_comm if ended[d][1] != rank else 0.0) for d in deps), default=0.0
-                )
-                start = max(free[rank], ready)
-                end = start + length
-                timed[rank].append(TimedPass(rank, vs, op, start, end))
-                for done in completes:
-                    ended[done, op.mb, vs] = (end, rank)
-                free[rank] = end
-                pos[rank] += 1
-                progressed = True
+                ready, mb = 0.0, op.mb
+                for need, stage in needs:
+                    done = ended.get((need, mb, stage))
+                    if done is None:
+                        break
+                    arrives = done[0] + (t_comm if done[1] != rank else 0.0)
+                    if arrives > ready:
+                        ready = arrives
+                else:  # every input has ended: the pass runs
+                    start = end if end > ready else ready
+                    end = start + length
+                    timed[rank].append(TimedPass(rank, vs, op, start, end))
+                    for work in completes:
+                        ended[work, mb, vs] = (end, rank)
+                    at += 1
+                    progressed = True
+                    continue
+                break
+            pos[rank], free[rank] = at, end
     if any(pos[r] < len(schedule.ranks[r]) for r in range(p)):
         raise ScheduleError(_deadlock_message(schedule, pos, ended))
     peaks = [max(profile, default=0.0) for profile in memory_profile(schedule, costs)]

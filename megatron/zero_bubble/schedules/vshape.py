@@ -1,4 +1,4 @@
-"""V-shape schedules: ZB-V, V-Half and V-Min, built by a greedy list scheduler that simulates as it builds.
+"""The greedy list scheduler for V-shape schedules, and the paper's handcrafted ZB-V order.
 
 Layout "v": the model is cut into 2p chunks and rank r holds virtual stage r (chunk 0) and 2p-1-r
 (chunk 1), so a microbatch runs down the ranks and back up, and its loss is computed on rank 0. The turn
@@ -8,8 +8,8 @@ The scheduler walks simulated time with the real T_F, T_B, T_W of every virtual 
 rank is free it starts the ready pass its policy prefers (B is on the critical path; an F of chunk 1 is
 closer to the loss than one of chunk 0), an F only if it fits the memory limit, and otherwise a W to fill
 the gap or to free memory. Every op of a chunk runs in microbatch order, so each rank accumulates weight
-gradients in the same order as 1F1B. Several policies are tried, together with the handcrafted ZB-V order
-of the paper, and the best simulated bubble is kept.
+gradients in the same order as 1F1B. vbudget.py runs several policies, together with the handcrafted
+ZB-V order of the paper and the building blocks of vblocks.py, and keeps the best simulated bubble.
 
 Default memory limits follow "Pipeline Parallelism with Controllable Memory" (arXiv 2405.15362):
 ZB-V p M_B (as 1F1B), V-Half (p+2)//2 M_B, V-Min (p+4)//3 M_B, M_B being one microbatch's activations
@@ -18,14 +18,11 @@ of a whole rank.
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from .costs import Costs
-from .memory import memory_profile
 from .ops import facts
-from .problem import MemoryLimit
-from .schedule import Pass, Schedule, ScheduleError
-from .simulate import simulate
+from .schedule import Pass
 
 _EPS = 1e-9
 
@@ -322,78 +319,3 @@ def v_half_memory_limit(stages: int) -> float:
 
 def v_min_memory_limit(stages: int) -> float:
     return (stages + 4) // 3
-
-
-def _limits(stages: int, costs: Costs, memory_limit: MemoryLimit) -> list[float]:
-    limits = memory_limit.per_rank(stages, 2, "v", costs)
-    for r, limit in enumerate(limits):
-        # Before its first B can free anything, a rank holds both chunks of one microbatch.
-        need = costs.m_f[r] + costs.m_f[2 * stages - 1 - r]
-        if limit < need - _EPS:
-            raise ScheduleError(
-                f"memory limit {limit:.4g} on rank {r} is below one microbatch's activations there "
-                f"({need:.4g}), too small for any V schedule"
-            )
-    return limits
-
-
-def _plan(name: str, stages: int, microbatches: int, costs: Costs | None, memory_limit: MemoryLimit) -> Schedule:
-    if stages < 2 or microbatches < 1:
-        raise ScheduleError(f"{name} needs at least 2 stages and 1 microbatch, got {stages} and {microbatches}")
-    costs = costs if costs is not None else Costs.make(2 * stages, chunks=2)
-    if costs.num_virtual_stages != 2 * stages:
-        raise ScheduleError(f"{name} needs costs for {2 * stages} virtual stages, got {costs.num_virtual_stages}")
-    limits = _limits(stages, costs, memory_limit)
-    paper = Schedule(stages, 2, microbatches, "v", paper_v_order(stages, microbatches))
-    peaks = [max(profile, default=0.0) for profile in memory_profile(paper, costs)]
-    paper_fits = all(peak <= limit + _EPS for peak, limit in zip(peaks, limits))
-    # Greedy runs, and where the paper's V fits the memory, greedy drains after its warm-up and steady state.
-    seeds = [(policy, None) for policy in _POLICIES + (() if paper_fits else _PACED_POLICIES)]
-    if paper_fits:
-        until_last_f = [r[: max(i for i, x in enumerate(r) if x.op == "F") + 1] for r in paper.ranks]
-        seeds += [(policy, until_last_f) for policy in _POLICIES[:2]]
-    runs = []
-    for policy, prefix in seeds:
-        greedy = _Greedy(stages, microbatches, costs, limits, policy, prefix)
-        order = greedy.run()
-        if order is not None:
-            how = {"greedy": asdict(policy)} | ({"seed": "paper V until each rank's last F"} if prefix else {})
-            runs.append((greedy.bubble_rate(), order, how))
-    # Rank the runs by their own timelines; simulate the three best and the paper's order.
-    runs.sort(key=lambda run: run[0])
-    candidates = [(order, how) for _, order, how in runs[:3]]
-    if paper_fits:
-        candidates.append((paper.ranks, {"paper_order": True}))
-    best = None
-    for order, how in candidates:
-        timeline = simulate(Schedule(stages, 2, microbatches, "v", order), costs)
-        score = (round(timeline.bubble_rate, 12), round(timeline.makespan, 9))
-        if best is None or score < best[0]:
-            best = (score, order, how)
-    if best is None:
-        raise ScheduleError(f"{name} found no schedule under the memory limit; raise the limit")
-    return Schedule(stages, 2, microbatches, "v", best[1], name=name, info={"planner": best[2]})
-
-
-def _limit(memory_limit, memory_limit_absolute, default: float) -> MemoryLimit:
-    """The given limit (a MemoryLimit, in-flight microbatches, or the older absolute keyword), else the default."""
-    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
-    return MemoryLimit(default) if limit is None else limit
-
-
-def zb_v(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
-    """ZB-V: zero bubble with T_F = T_B = T_W at 1F1B's peak activation memory p M_B (the default limit)."""
-    return _plan("zb-v", stages, microbatches, costs,
-                 _limit(memory_limit, memory_limit_absolute, zb_v_memory_limit(stages)))
-
-
-def v_half(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
-    """V-Half: about half of 1F1B's activation memory, (p+2)//2 M_B by default."""
-    return _plan("v-half", stages, microbatches, costs,
-                 _limit(memory_limit, memory_limit_absolute, v_half_memory_limit(stages)))
-
-
-def v_min(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
-    """V-Min: about a third of 1F1B's activation memory, (p+4)//3 M_B by default."""
-    return _plan("v-min", stages, microbatches, costs,
-                 _limit(memory_limit, memory_limit_absolute, v_min_memory_limit(stages)))
