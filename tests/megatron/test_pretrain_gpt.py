@@ -44,7 +44,8 @@ PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1e6"]}
 ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
 POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
-                        "pp4/zb-v/post-validation-exact", "pp4/interleaved/clip", "pp4/interleaved/post-validation-exact",
+                        "pp4/zb-v/post-validation-exact", "pp4/v-half/post-validation-exact", "pp4/interleaved/clip",
+                        "pp4/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
                         "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
                         "dp2pp2/post-validation/distributed/overlap", "pp4/moe/megatron/fp16",
@@ -90,6 +91,9 @@ def _runs(work: str) -> dict[str, list[str]]:
         # two chunks per rank: the result walks from rank 0 in a V, from rank 3 in the interleaved layout
         "pp4/zb-v/post-validation-exact": PP4 + PV_MODEL + ["--zero-bubble-v-schedule", "--enable-optimizer-post-validation",
                                                             "--zero-bubble-exact-rollback"],
+        "pp4/v-half/post-validation-exact": PP4 + PV_MODEL + [
+            "--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half",
+            "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
         "pp4/interleaved/clip": PP4 + PV_MODEL + ["--pipeline-schedule", "interleaved-1f1b"],
         "pp4/interleaved/post-validation-exact": PP4 + PV_MODEL + [
             "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime", "--enable-optimizer-post-validation",
@@ -359,7 +363,7 @@ def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losse
 
 @pytest.mark.parametrize("run, reference", [
     ("pp4/zb-h1/post-validation", "pp4/megatron/clip"), ("pp4/zb-auto/post-validation-exact", "pp4/megatron/clip"),
-    ("pp4/zb-v/post-validation-exact", "pp4/megatron/clip"),
+    ("pp4/zb-v/post-validation-exact", "pp4/megatron/clip"), ("pp4/v-half/post-validation-exact", "pp4/megatron/clip"),
     ("pp4/interleaved/post-validation-exact", "pp4/interleaved/clip"),
 ])
 def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run, reference):
@@ -544,6 +548,13 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                          "--num-layers", "6"], 2, ["--num-layers 6", "multiple of 4"]),
     "zb-v padding asked for": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule", "--num-layers", "6",
                                 "--allow-padding-num-layers"], 2, ["--allow-padding-num-layers", "not implemented"]),
+    "zb-v budget below V-Min's": (PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-max-pending-backward", "1"], 4,
+                                  ["--zero-bubble-v-schedule", "below V-Min's floor((p+4)/3) = 2 M_B"]),
+    "V memory setup without zb-v": (PP4 + ["--enable-zero-bubble", "--zero-bubble-v-schedule-mem-setup", "half"], 4,
+                                    ["--zero-bubble-v-schedule-mem-setup", "add --zero-bubble-v-schedule"]),
+    "V memory set twice": (PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half",
+                                  "--zero-bubble-max-pending-backward", "3"], 4,
+                           ["--zero-bubble-v-schedule-mem-setup and --zero-bubble-max-pending-backward"]),
     "memory limit below one microbatch": (PP4 + ["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "0.5"], 4,
                                           ["--zero-bubble-max-pending-backward", "below one microbatch"]),
     "megatron's own wgrad deferral with the runtime": (PP4 + ["--pipeline-schedule", "zb-h1", "--delay-wgrad-compute"],
@@ -601,6 +612,7 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
 # Refused before megatron is imported (pretrain_gpt.py's `early_check`, a second after start), with the same line.
 EARLY = ("conflicting schedule flags", "conflicting --pipeline-schedule", "zb-v layers not divisible by 2p",
          "zb-v padding asked for", "memory limit below one microbatch", "missing --data-path",
+         "V memory setup without zb-v", "V memory set twice",
          "pipeline schedule with PP=1", "zero bubble with PP=1", "post-validation without a schedule",
          "exact rollback without post-validation", "one-chunk schedule with a virtual pipeline", "runtime flag with PP=1",
          "zero-bubble option without a schedule", "timer window without the runtime")

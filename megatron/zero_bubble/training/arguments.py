@@ -26,6 +26,7 @@ from typing import NoReturn
 from ..schedules.planners import (SCHEDULES, PlanRequest, conflicting_options, layout_of, natural_chunks,
                                   pipeline_schedule_names, plan, split_backward_schedules)
 from ..schedules.schedule import ScheduleError
+from ..schedules.vbudget import MEM_SETUPS, mem_setup_limit
 
 # What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
 PIPELINE_SCHEDULES = pipeline_schedule_names()
@@ -33,7 +34,8 @@ SPLIT_BACKWARD_SCHEDULES = split_backward_schedules()
 EXIT_REFUSED = 2
 DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
-RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_pipeline_timers_start_iter",
+RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedule_mem_setup",
+                      "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
 
 
@@ -110,6 +112,10 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        help="Run the chosen schedule, baselines included, through the zero-bubble runtime "
                        "(without --pipeline-schedule: 1f1b, or interleaved-1f1b when a virtual pipeline "
                        "size is set). Zero-bubble schedules always use it.")
+    group.add_argument("--zero-bubble-v-schedule-mem-setup", choices=tuple(MEM_SETUPS), default=None,
+                       help="ZB-V's memory budget in the original implementation's terms: min = V-Min's "
+                       "floor((p+4)/3) microbatches per rank, half = V-Half's (p+2)/2, zb = ZB-V's p (1F1B's peak). "
+                       "The V planner takes any budget in between through --zero-bubble-max-pending-backward.")
     group.add_argument("--zero-bubble-max-pending-backward", type=_max_pending_backward, default=None,
                        metavar="N|auto",
                        help="Activation-memory limit of zb-auto and zb-v in microbatches held per rank (p = "
@@ -367,6 +373,13 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
         raise StartupRefusal(
             f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
         )
+    setup = getattr(args, "zero_bubble_v_schedule_mem_setup", None)
+    if setup is not None and layout_of(schedule) != "v":
+        raise StartupRefusal(f"--zero-bubble-v-schedule-mem-setup sets ZB-V's memory, not {flag}'s; add "
+                             f"--zero-bubble-v-schedule or drop it (--zero-bubble-max-pending-backward sets {schedule}'s)")
+    if setup is not None and limit is not None:
+        raise StartupRefusal("--zero-bubble-v-schedule-mem-setup and --zero-bubble-max-pending-backward both set ZB-V's "
+                             "memory; keep one of them")
     start, end = _timer_window(args)
     if end < start:
         raise StartupRefusal(
@@ -381,6 +394,8 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
                                  timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
     _check_runtime(args, flag)
     limit = args.zero_bubble_max_pending_backward
+    if getattr(args, "zero_bubble_v_schedule_mem_setup", None) is not None:
+        limit = mem_setup_limit(args.zero_bubble_v_schedule_mem_setup, args.pipeline_model_parallel_size)
     start, end = _timer_window(args)
     options = ZeroBubbleOptions(
         schedule=schedule, through_runtime=True, memory_limit=limit, timers_start_iter=start, timers_end_iter=end,
