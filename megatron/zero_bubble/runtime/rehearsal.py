@@ -30,6 +30,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -81,15 +82,13 @@ class _ModelledReduction:
     """One rank's gradient buckets and its communication stream, as megatron DDP with overlap_grad_reduce."""
 
     def __init__(self, model: DataParallel, rank: int, chunks: int, unit_s: float, split_backward: bool):
-        self.model, self.unit_s = model, unit_s
+        self.model = model
         self.weights = [[torch.nn.Parameter(torch.empty(1)) for _ in range(model.layers)] for _ in range(chunks)]
         every_stage = split_backward if model.every_stage is None else model.every_stage
         buckets_of_chunk = [model.buckets if (k == 0 and (rank == 0 or every_stage)) else 1 for k in range(chunks)]
         self.bucket_of = {id(w): (k, i * buckets_of_chunk[k] // model.layers)
                           for k, weights in enumerate(self.weights) for i, w in enumerate(weights)}
-        self.size = {}
-        for bucket in self.bucket_of.values():
-            self.size[bucket] = self.size.get(bucket, 0) + 1
+        self.size = Counter(self.bucket_of.values())  # bucket -> its weights
         self.seconds_per_weight = model.reduce_time * unit_s / (chunks * model.layers)
         self.reset()
 
@@ -232,16 +231,12 @@ class _EmulatedIteration(_Iteration):
 
     def validate_step(self, p: Pass) -> bool:
         replay = super().validate_step(p)
-        self._record_instant(p)
+        self._record_pass(p, time.monotonic())  # takes no time of its own
         return replay
 
     def step_statistics(self, p: Pass) -> None:
         super().step_statistics(p)
-        self._record_instant(p)
-
-    def _record_instant(self, p: Pass) -> None:
-        now = (time.monotonic() - self.t0) / self.unit_s
-        self.record.append((p.op, p.mb, p.chunk, now, now))
+        self._record_pass(p, time.monotonic())
 
 
 @dataclass

@@ -82,10 +82,14 @@ class OpFacts:
         lowest = 0 if self.per_microbatch else num_vstages - stages
         return other if lowest <= other < num_vstages else None
 
+    def needed_stages(self, vstage: int, num_vstages: int, stages: int) -> tuple[tuple[Op, int], ...]:
+        """The (op, virtual stage) of each need that exists (any microbatch: the same one as the pass's)."""
+        linked = ((n.op, self.linked_stage(vstage, n.offset, num_vstages, stages)) for n in self.needs)
+        return tuple((op, other) for op, other in linked if other is not None)
+
     def needs_at(self, mb: int, vstage: int, num_vstages: int, stages: int) -> tuple[PassKey, ...]:
         """The passes that must end first, as (op, microbatch, virtual stage)."""
-        linked = ((n.op, self.linked_stage(vstage, n.offset, num_vstages, stages)) for n in self.needs)
-        return tuple((op, mb, other) for op, other in linked if other is not None)
+        return tuple((op, mb, other) for op, other in self.needed_stages(vstage, num_vstages, stages))
 
 
 TABLE: dict[Op, OpFacts] = {

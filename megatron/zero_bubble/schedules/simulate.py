@@ -111,9 +111,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 row = rows.get((op.op, vs))
                 if row is None:
                     f = facts(op.op)
-                    needs = tuple((n.op, f.linked_stage(vs, n.offset, nv, p)) for n in f.needs)
-                    needs = tuple((need, stage) for need, stage in needs if stage is not None)
-                    row = rows[op.op, vs] = (needs, f.duration(costs, vs), f.completes)
+                    row = rows[op.op, vs] = (f.needed_stages(vs, nv, p), f.duration(costs, vs), f.completes)
                 needs, length, completes = row
                 ready, mb = 0.0, op.mb
                 for need, stage in needs:

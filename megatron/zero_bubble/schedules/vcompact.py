@@ -156,8 +156,7 @@ class _Facts:
         row = self.rows.get((op, v))
         if row is None:
             f = facts(op)
-            linked = ((n.op, f.linked_stage(v, n.offset, self.nv, self.p)) for n in f.needs)
-            needs = tuple((need, u, self._comm(u, v)) for need, u in linked if u is not None)
+            needs = tuple((need, u, self._comm(u, v)) for need, u in f.needed_stages(v, self.nv, self.p))
             row = self.rows[op, v] = (needs, f.completes, f.duration(self.costs, v), f.memory_change(self.costs, v))
         return row
 
