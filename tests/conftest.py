@@ -1,4 +1,4 @@
-"""Suite-wide: the `slow` marker on tests that launch processes, and a line per process launch.
+"""Suite-wide: the `slow` and `exactness` markers, and a line per process launch.
 
 Tests that need a fixture in LAUNCHING_FIXTURES (spawned gloo ranks, torchrun, a SLURM cluster) and every
 test of a module in LAUNCHING_MODULES are marked `slow` here; other tests that launch ranks themselves
@@ -17,19 +17,28 @@ LAUNCHING_FIXTURES = frozenset({
     "reports",  # test_runtime_exactness.py, test_post_validation.py: 4 forked ranks, every case
     "v_run",  # test_vshape_layout.py: 2 and 4 forked ranks
     "spawned",  # test_wgrad_split.py: 2 forked ranks
-    "runs", "single_stage_log", "refusals",  # test_pretrain_gpt.py: torchrun and python launches
+    "runs", "refusals",  # test_pretrain_gpt.py: torchrun and python launches
     "slurm_cluster",  # tests/slurm: a local SLURM cluster and its jobs
 })
 
 # Modules whose tests start torchrun or the training script one by one (seconds to minutes each).
 LAUNCHING_MODULES = frozenset({"tests/megatron/test_pretrain_gpt.py"})
 
+# Fixtures whose runs the tests compare number for number (torch.equal, or megatron's printed losses to the last
+# digit), and modules that do so in-process: the `exactness` marker, which CI runs a second time under another
+# instruction set (.ci/run), since kernels of another vector width sum in another order.
+EXACTNESS_FIXTURES = frozenset({"core_runs", "reports", "v_run", "spawned", "runs"})
+EXACTNESS_MODULES = frozenset({"tests/test_optimizer_rollback.py"})
+
 
 def pytest_collection_modifyitems(items):
     for item in items:
         module = item.nodeid.split("::")[0]
-        if module in LAUNCHING_MODULES or LAUNCHING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if module in LAUNCHING_MODULES or LAUNCHING_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
+        if module in EXACTNESS_MODULES or EXACTNESS_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.exactness)
 
 
 @pytest.hookimpl(hookwrapper=True)
