@@ -91,12 +91,12 @@ def layer_scenario(a, passes: int, repeats: int) -> dict:
 
     import torch
 
-    from megatron.zero_bubble.patches import linear_wgrad
+    from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter
     from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
     from tests.megatron import harness
 
     harness.init_parallel_state()
-    linear_wgrad.install()
+    megatron = MegatronAdapter()
     layers, stores = {}, {}
     for variant in ("moe", "dense"):
         spec = harness.ModelSpec(num_layers=1, hidden_size=a.hidden, num_attention_heads=a.heads,
@@ -106,7 +106,7 @@ def layer_scenario(a, passes: int, repeats: int) -> dict:
         overrides = {"moe_ffn_hidden_size": a.moe_ffn} if variant == "moe" else {}
         layers[variant] = harness.build_gpt_chunks(spec, **overrides)[0].decoder.layers[0]
         stores[variant] = WeightGradStore(variant)
-        stores[variant].attach(layers[variant])
+        stores[variant].attach(layers[variant], megatron)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(a.seq_length, a.micro_batch, a.hidden, generator=generator)
     grad = torch.randn(a.seq_length, a.micro_batch, a.hidden, generator=generator)

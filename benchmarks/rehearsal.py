@@ -4,8 +4,8 @@
     python benchmarks/rehearsal.py --post-validation-table | --dp-table
 
 Each row runs every schedule on p local processes (gloo): the executor's own iteration loop, lowering and
-transport, each F/B/W pass a wait of its planned time (see megatron/zero_bubble/runtime/rehearsal.py).
-Costs: the paper's profiled T_F/T_B/T_W/T_comm of one row per size, in ms (p=4 takes the 1.5B row's
+transport, each F/B/W pass a wait of its planned time (see megatron/zero_bubble/tools/rehearsal.py).
+Costs: the paper's profiled T_F/T_B/T_W/T_comm of one row per size, in ms (p=2 and p=4 take the 1.5B row's
 costs, p=8 6.2B, p=16 14.6B, p=32 28.3B; m = 4p throughout). ZB-V gives each of its two chunks half a
 rank's time, as 1F1B-I does in plan_quality.py.
 
@@ -32,11 +32,11 @@ for path in (HERE.parent, HERE):
 
 from plan_quality import row_costs  # noqa: E402
 
-from megatron.zero_bubble.runtime.rehearsal import RehearsalOptions, rehearse  # noqa: E402
+from megatron.zero_bubble.tools.rehearsal import RehearsalOptions, rehearse  # noqa: E402
 from megatron.zero_bubble.schedules.costs import Costs  # noqa: E402
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
 
-ROW_OF_SIZE = {4: ("1.5B", 8, 24), 8: ("6.2B", 8, 32), 16: ("14.6B", 16, 64), 32: ("28.3B", 32, 128)}
+ROW_OF_SIZE = {2: ("1.5B", 8, 24), 4: ("1.5B", 8, 24), 8: ("6.2B", 8, 32), 16: ("14.6B", 16, 64), 32: ("28.3B", 32, 128)}
 # label -> (planner name, memory limit as a multiple of p or None for the schedule's own, chunks)
 SCHEDULES = {
     "1f1b": ("1f1b", None, 1),
@@ -173,7 +173,7 @@ DP_VARIANTS = {"no overlap": dict(overlap=False),
 
 
 def dp_table(reps: int, ilp_time_limit: float, unit_ms: float) -> None:
-    from megatron.zero_bubble.runtime.rehearsal import DataParallel
+    from megatron.zero_bubble.tools.rehearsal import DataParallel
 
     model, row_p, row_m = ROW_OF_SIZE[DP_P]
     costs = row_costs(model, row_p, row_m, stages=DP_P)

@@ -70,19 +70,21 @@ def training_scenario(spec, m: int, iterations: int, reps: int) -> dict:
     list over `reps` rounds in which the variants alternate (each round: `iterations` back to back)."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.zero_bubble.patches import linear_wgrad, optimizer_step, schedule_selection
+    from megatron.zero_bubble.patches import optimizer_step, schedule_selection
+    from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
     from megatron.zero_bubble.runtime.post_validation import PostValidation
 
     harness.init_parallel_state(pp=2)
     chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(spec))
     config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1000.0)
-    linear_wgrad.install()
-    executor = PipelineExecutor(lambda _: None)
+    megatron = MegatronAdapter()
+    executor = PipelineExecutor(lambda _: None, megatron)
     schedule_selection.install(executor)
     variants = [(name, pv) for name in POST_VALIDATION_SCHEDULES for pv in (False, True)]
     optimizers = {key: harness.make_optimizer(chunks, config) for key in variants}
-    controllers = {key: PostValidation(optimizers[key], pp_group=parallel_state.get_pipeline_model_parallel_group(),
+    controllers = {key: PostValidation(optimizers[key], megatron,
+                                       pp_group=parallel_state.get_pipeline_model_parallel_group(),
                                        stage_group=parallel_state.get_tensor_model_parallel_group())
                    for key in variants if key[1]}
     seconds = {key: [] for key in variants}
@@ -92,15 +94,15 @@ def training_scenario(spec, m: int, iterations: int, reps: int) -> dict:
             executor.plan_for, flush = (lambda _: schedule), None
             if key[1]:
                 optimizer_step.install(controllers[key], chunks)
-                executor.post_validation, flush = controllers[key], controllers[key].flush
+                executor.attach_post_validation(controllers[key])
+                flush = controllers[key].flush
             per_iteration = _time_training(chunks, optimizers[key], spec, m, iterations, flush)
             optimizer_step.uninstall()
-            executor.post_validation = None
+            executor.attach_post_validation(None)
             if rep:
                 seconds[key].append(per_iteration)
     schedule_selection.uninstall()
     executor.release()
-    linear_wgrad.uninstall()
     return {"rank": parallel_state.get_pipeline_model_parallel_rank(), "seconds": seconds}
 
 
@@ -131,14 +133,15 @@ def scenario(spec, m: int, reps: int) -> dict:
     """Forward-backward seconds of megatron's 1F1B and of each schedule through our executor, one iteration
     each in turn, `reps` rounds after a warm-up round; then a profiling run per schedule for its pass times."""
     from megatron.core import parallel_state
-    from megatron.zero_bubble.patches import linear_wgrad, schedule_selection
+    from megatron.zero_bubble.patches import schedule_selection
+    from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
 
     harness.init_parallel_state(pp=2)
     chunks = harness.build_gpt_chunks(spec)
     result = {"rank": parallel_state.get_pipeline_model_parallel_rank(), "times": {}, "passes": {}}
-    linear_wgrad.install()  # megatron's own path while no store is active: both sides pay its wrapper
-    executor = PipelineExecutor(lambda _: None)
+    megatron = MegatronAdapter()
+    executor = PipelineExecutor(lambda _: None, megatron)
     plans = {name: _plan(name, 2, m) for name in SCHEDULES}
     variants = (MEGATRON, *SCHEDULES)
     result["times"] = {name: [] for name in variants}
@@ -152,17 +155,17 @@ def scenario(spec, m: int, reps: int) -> dict:
             seconds = _time_one(chunks, spec, m, rep)
             if rep:
                 result["times"][name].append(seconds)
-    schedule_selection.install(executor)
-    for name in SCHEDULES:
-        passes = defaultdict(list)
-        executor.plan_for = lambda _, schedule=plans[name]: schedule
-        executor.pass_timer = lambda op, chunk, mb, s: passes[op].append(s)  # profiling run, synchronised
-        _time_iterations(chunks, spec, m, 1)
-        result["passes"][name] = {op: statistics.median(v) for op, v in passes.items()}
-    executor.pass_timer = None
     schedule_selection.uninstall()
     executor.release()
-    linear_wgrad.uninstall()
+    for name in SCHEDULES:  # a profiling run each (observed passes synchronise the device)
+        passes = defaultdict(list)
+        profiled = PipelineExecutor(lambda _, schedule=plans[name]: schedule, megatron,
+                                    observer=lambda p, start, end: passes[p.op].append(end - start))
+        schedule_selection.install(profiled)
+        _time_iterations(chunks, spec, m, 1)
+        result["passes"][name] = {op: statistics.median(v) for op, v in passes.items()}
+        schedule_selection.uninstall()
+        profiled.release()
     result["t_comm"] = _comm_time((spec.seq_length, spec.micro_batch_size, spec.hidden_size))
     return result
 

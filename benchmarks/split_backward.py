@@ -31,7 +31,7 @@ imports.install()
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from megatron.core.tensor_parallel import layers  # noqa: E402
 
-from megatron.zero_bubble.patches import linear_wgrad  # noqa: E402
+from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 
 SEQ = 1024
@@ -61,9 +61,8 @@ def measure(kind: str, hidden: int, micro_batch: int, dtype: torch.dtype, reps: 
     size_in, size_out = (hidden, 4 * hidden) if kind == "column" else (4 * hidden, hidden)
     x = torch.randn(seq, micro_batch, size_in, dtype=dtype)
     grad_y = torch.randn(seq, micro_batch, size_out, dtype=dtype)
-    linear_wgrad.install()
     store = WeightGradStore("bench")
-    store.attach(layer)
+    store.attach(layer, MegatronAdapter())
     fused, split_b, split_w = [], [], []
     try:
         for _ in range(reps + 1):
@@ -84,7 +83,6 @@ def measure(kind: str, hidden: int, micro_batch: int, dtype: torch.dtype, reps: 
             layer.weight.grad = layer.bias.grad = None
     finally:
         store.detach()
-        linear_wgrad.uninstall()
     return {"fused": fused[1:], "b": split_b[1:], "w": split_w[1:]}
 
 

@@ -1,18 +1,30 @@
 """The package's layers, read from the import statements (no import needed):
 
-- schedules/ (planning) imports nothing of runtime/, patches/ or training/;
-- runtime/ imports nothing of patches/ or training/: the patch that installs an executor or a
-  post-validation controller hands it patches/megatron_private.py, and no runtime module names a megatron
-  private function itself;
-- patches/megatron_private.py imports nothing of ours but patches/_patching.py.
+- schedules/ (planning) imports nothing of runtime/, patches/, training/ or tools/, and no torch;
+- runtime/ imports nothing of patches/, training/ or tools/, and nothing of megatron at all: what it needs of
+  megatron-core comes through the adapter (patches/megatron_adapter.py) it is handed as a constructor argument;
+- training/ and tools/ import of megatron only what MEGATRON_ALLOWED lists (megatron.training's public entry
+  points); everything else of megatron-core stays inside patches/;
+- patches/megatron_adapter.py imports nothing of ours but the patch base and the linear split.
 """
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "megatron" / "zero_bubble"
+
+# What training/ and tools/ may import from megatron itself: (module, name) pairs (name None: the module).
+MEGATRON_ALLOWED = {
+    "training": {("megatron.training", "get_args"), ("megatron.training", "get_tokenizer"),
+                 ("megatron.training.arguments", "parse_and_validate_args"),
+                 ("megatron.training.arguments", "parse_args"),
+                 ("megatron.training.vocab_utils", "calculate_padded_vocab_size"),
+                 ("megatron.core", "parallel_state")},
+    "tools": set(),
+    "runtime": set(),
+    "schedules": set(),
+}
 
 
 def _our_imports(path: Path) -> set[str]:
@@ -28,24 +40,53 @@ def _our_imports(path: Path) -> set[str]:
     return found
 
 
+def _megatron_imports(path: Path) -> set[tuple[str, str | None]]:
+    """(module, name) of every import of megatron itself (megatron.core, megatron.training, ...) in `path`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and _is_megatron(node.module or ""):
+            found.update((node.module, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update((alias.name, None) for alias in node.names if _is_megatron(alias.name))
+    return found
+
+
+def _is_megatron(module: str) -> bool:
+    return (module == "megatron" or module.startswith("megatron.")) and not module.startswith("megatron.zero_bubble")
+
+
 def _modules(layer: str) -> list[Path]:
     return sorted((PACKAGE / layer).glob("*.py"))
 
 
-def test_planning_imports_no_other_layer():
+def test_planning_imports_no_other_layer_and_no_torch():
     for path in _modules("schedules"):
         outside = {m for m in _our_imports(path) if not m.startswith("schedules")}
         assert not outside, f"{path.name} imports {outside}"
+        assert "import torch" not in path.read_text(), path.name
 
 
-def test_runtime_imports_no_patch_and_names_no_megatron_private():
+def test_runtime_imports_no_layer_above_it():
     for path in _modules("runtime"):
-        patches = {m for m in _our_imports(path) if m.startswith(("patches", "training"))}
-        assert not patches, f"{path.name} imports {patches} (the patches hand the runtime what it needs)"
-        privates = re.findall(r"mcore\._\w+|_build_default_pg_collection|\._copy_\w+_to_\w+\(", path.read_text())
-        assert not privates, f"{path.name} calls megatron privates itself: {privates}"
+        above = {m for m in _our_imports(path) if m.startswith(("patches", "training", "tools"))}
+        assert not above, f"{path.name} imports {above} (the session hands the runtime what it needs)"
 
 
-def test_the_private_adapter_imports_only_the_patch_base():
-    imports = _our_imports(PACKAGE / "patches" / "megatron_private.py")
-    assert imports and all(m.startswith("patches._patching.") for m in imports), imports
+def test_megatron_is_imported_only_by_the_patches_and_the_allowed_entry_points():
+    for layer, allowed in MEGATRON_ALLOWED.items():
+        for path in _modules(layer):
+            extra = _megatron_imports(path) - allowed
+            assert not extra, f"{layer}/{path.name} imports {sorted(extra, key=str)} of megatron: go through " \
+                              f"patches/megatron_adapter.py (or add a public entry point to MEGATRON_ALLOWED)"
+
+
+def test_the_layering_test_sees_an_import_inside_a_function(tmp_path):
+    module = tmp_path / "sample.py"
+    module.write_text("def f():\n    from megatron.core.utils import get_model_config\n    import megatron.core\n")
+    assert _megatron_imports(module) == {("megatron.core.utils", "get_model_config"), ("megatron.core", None)}
+
+
+def test_the_adapter_imports_only_the_patch_base_and_the_linear_split():
+    imports = _our_imports(PACKAGE / "patches" / "megatron_adapter.py")
+    assert imports and all(m.startswith(("patches._patching.", "patches.linear_wgrad")) or m == "patches.linear_wgrad"
+                           for m in imports), imports

@@ -106,15 +106,18 @@ def test_a_failing_install_leaves_megatron_as_it_was(fake_megatron):
     assert source.f is original and not patch.installed
 
 
-def test_the_executor_refuses_a_split_schedule_when_the_session_says_the_linear_split_is_off():
-    from megatron.zero_bubble.runtime.executor import PipelineExecutor
-    from megatron.zero_bubble.schedules.baselines import one_f_one_b
-    from megatron.zero_bubble.schedules.handcrafted import zb_h1
+def test_shadowing_a_method_on_one_object_is_undone_by_deleting_it_and_refused_twice_or_without_the_method():
+    class Layer:
+        def forward_impl(self):
+            return "megatron"
 
-    from megatron.zero_bubble.schedules.schedule import ScheduleError
-
-    off = PipelineExecutor(lambda m: None, split_backward_ready=lambda: False)
-    with pytest.raises(ScheduleError, match="B/W split of the linear layers is not installed"):
-        off.check_runtime_support(zb_h1(2, 4), [])
-    off.check_runtime_support(one_f_one_b(2, 4), [])  # a fused backward needs no split
-    PipelineExecutor(lambda m: None, split_backward_ready=lambda: True).check_runtime_support(zb_h1(2, 4), [])
+    layer, other = Layer(), Layer()
+    patches = PatchSet("shadow")
+    patches.shadow(layer, "forward_impl", lambda: "ours")
+    assert layer.forward_impl() == "ours" and other.forward_impl() == "megatron"  # that one object only
+    with pytest.raises(PatchError, match="has its own forward_impl already"):
+        PatchSet("again").shadow(layer, "forward_impl", lambda: "twice")
+    with pytest.raises(PatchError, match="Layer.no_such_method does not exist"):
+        patches.shadow(other, "no_such_method", None)
+    patches.restore()
+    assert "forward_impl" not in vars(layer) and layer.forward_impl() == "megatron"

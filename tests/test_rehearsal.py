@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megatron.zero_bubble.runtime.rehearsal import DataParallel, RehearsalOptions, rehearse
+from megatron.zero_bubble.tools.rehearsal import DataParallel, RehearsalOptions, rehearse
 from megatron.zero_bubble.schedules.costs import Costs
 from megatron.zero_bubble.schedules.handcrafted import zb_h1
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan
@@ -79,13 +79,21 @@ def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_
             p.op for p in schedule.ranks[0]]
 
 
-def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr():
+def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr_and_writes_a_trace(tmp_path):
+    trace_path = tmp_path / "rehearsed.json"
     command = [sys.executable, "-m", "megatron.zero_bubble.cli", "rehearse", "--schedule", "1f1b", "--stages", "2",
-               "--microbatches", "4", "--t-f", "2", "--t-b", "2", "--t-w", "1", "--time-unit-ms", "1"]
+               "--microbatches", "4", "--t-f", "2", "--t-b", "2", "--t-w", "1", "--time-unit-ms", "1",
+               "--trace", str(trace_path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
     report = json.loads(result.stdout)
     assert KEYS <= report.keys() and report["schedule"] == "1f1b"
     assert "rehearsed 1f1b on 2 processes" in result.stderr and "ms" in result.stderr
+    events = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank in report["per_rank"]:  # every pass, with its actual start in microseconds and its planned start
+        mine = [e for e in events if e["tid"] == rank["rank"]]
+        assert [e["name"] for e in mine] == [f"{p['op']}{p['mb']}" for p in rank["passes"]]
+        assert [e["ts"] for e in mine] == [round(p["actual_start"] * 1000, 3) for p in rank["passes"]]
+        assert [e["args"]["planned_start_ms"] for e in mine] == [p["planned_start"] for p in rank["passes"]]
 
 
 @pytest.mark.parametrize("argv,message", [(["--stages", "65"], "more than 64"), (["--time-unit-ms", "0"], "positive")])

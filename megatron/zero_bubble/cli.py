@@ -14,6 +14,8 @@ import json
 import sys
 
 from .schedules import cli as planning
+from .schedules.schedule import Pass
+from .schedules.trace import TraceRow, chrome_trace, write_trace
 
 
 def _add_rehearse(commands, common, one_schedule_options) -> None:
@@ -45,13 +47,16 @@ def _add_rehearse(commands, common, one_schedule_options) -> None:
                      help="with --dp-reduce: which stages have --dp-buckets, the others one: as in training "
                           "(every stage under a split schedule, the first only otherwise, as megatron) or forced "
                           "(default %(default)s)")
+    sub.add_argument("--trace", metavar="FILE", default=None,
+                     help="also write the rehearsed timeline as Chrome trace JSON (open it in Perfetto or "
+                          "chrome://tracing): one thread per rank, each pass with its planned start")
     sub.add_argument("--no-dp-overlap", action="store_true",
                      help="with --dp-reduce: every bucket starts after the rank's last pass (no --overlap-grad-reduce)")
     sub.set_defaults(run=cmd_rehearse)
 
 
 def cmd_rehearse(args) -> None:
-    from .runtime.rehearsal import DEFAULT_MESSAGE_KIB, DataParallel, RehearsalOptions, rehearse
+    from .tools.rehearsal import DEFAULT_MESSAGE_KIB, DataParallel, RehearsalOptions, rehearse
 
     if args.time_unit_ms <= 0:
         raise planning.UsageError(f"--time-unit-ms must be positive, got {args.time_unit_ms}")
@@ -73,7 +78,18 @@ def cmd_rehearse(args) -> None:
         unit_ms=args.time_unit_ms, message_kib=message_kib, iterations=args.iterations,
         optimizer_step=args.optimizer_step, allreduce=args.allreduce, data_parallel=data_parallel))
     sys.stdout.write(json.dumps(report) + "\n")
+    if args.trace:
+        write_trace(chrome_trace(rehearsed_rows(report, args.time_unit_ms), source="rehearsed",
+                                 ranks=schedule.stages), args.trace)
     print(summary(report, costs.time_unit), file=sys.stderr)
+
+
+def rehearsed_rows(report: dict, unit_ms: float) -> list[TraceRow]:
+    """The rehearsal's passes as trace rows: wall milliseconds from the common start, planned start kept."""
+    return [TraceRow(rank["rank"], Pass(p["op"], p["mb"], p["chunk"]), p["actual_start"] * unit_ms,
+                     p["actual_end"] * unit_ms, args={"planned_start_ms": p["planned_start"] * unit_ms,
+                                                      "lateness_ms": p["lateness"] * unit_ms})
+            for rank in report["per_rank"] for p in rank["passes"]]
 
 
 def summary(report: dict, unit: str) -> str:

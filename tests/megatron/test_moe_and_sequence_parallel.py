@@ -65,16 +65,13 @@ def _run_case(case: Case) -> dict:
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from megatron.zero_bubble.runtime.executor import PipelineExecutor
     from megatron.zero_bubble.training.session import ZeroBubbleSession
 
-    executor = None
-    if case.schedule is not None:
-        executor = PipelineExecutor(lambda mbs: _schedule(case.schedule, case.layout.pp, mbs))
+    plans = None if case.schedule is None else (lambda mbs: _schedule(case.schedule, case.layout.pp, mbs))
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
-    with ZeroBubbleSession(executor, split_backward=case.schedule is not None, v_stages=v_stages):
+    with ZeroBubbleSession(schedule_for=plans, v_stages=v_stages):
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
         if case.optimizer == "megatron":

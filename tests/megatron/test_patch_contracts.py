@@ -6,7 +6,8 @@ from megatron.zero_bubble.patches import imports
 imports.install()  # megatron.core imports without triton from here on
 
 from megatron.zero_bubble.patches import schedule_selection  # noqa: E402
-from megatron.zero_bubble.patches._patching import PatchError, Patcher, check_megatron_core_version  # noqa: E402
+from megatron.zero_bubble.patches._patching import PatchError, PatchSet, check_megatron_core_version  # noqa: E402
+from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.executor import PipelineExecutor  # noqa: E402
 from megatron.zero_bubble.schedules import ScheduleError  # noqa: E402
 from megatron.zero_bubble.schedules.baselines import one_f_one_b  # noqa: E402
@@ -26,7 +27,7 @@ def test_patching_a_missing_target_names_the_installed_version():
     import megatron.core.pipeline_parallel.schedules as schedules
 
     with pytest.raises(PatchError, match=r"schedules\.no_such_function does not exist in megatron-core 0\.19"):
-        Patcher("probe").replace(schedules, "no_such_function", None)
+        PatchSet("probe").replace(schedules, "no_such_function", None)
 
 
 def test_schedule_selection_routes_pipelined_runs_and_uninstall_restores_every_binding():
@@ -34,18 +35,16 @@ def test_schedule_selection_routes_pipelined_runs_and_uninstall_restores_every_b
     import megatron.core.pipeline_parallel.schedules as schedules
 
     before = (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func)
-    executor = PipelineExecutor(lambda m: one_f_one_b(2, m))
+    executor = PipelineExecutor(lambda m: one_f_one_b(2, m), MegatronAdapter())
     schedule_selection.install(executor)
     schedule_selection.install(executor)  # idempotent
     try:
         assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is executor
         assert pipeline_parallel.get_forward_backward_func(pp_size=4, vp_size=2) is executor
         assert schedules.get_forward_backward_func(pp_size=1, vp_size=None) is schedules.forward_backward_no_pipelining
-        assert schedule_selection.installed_executor() is executor
     finally:
         schedule_selection.uninstall()
     assert (schedules.get_forward_backward_func, pipeline_parallel.get_forward_backward_func) == before
-    assert schedule_selection.installed_executor() is None
 
 
 @pytest.mark.parametrize(
@@ -61,32 +60,9 @@ def test_a_schedule_that_disagrees_with_the_run_is_refused_before_any_pass(pp, c
         PipelineExecutor.check_run_matches(one_f_one_b(2, 8), pp, chunks, m)
 
 
-def test_split_schedules_are_refused_without_the_linear_patch_and_run_with_overlapped_grad_reduce():
-    from types import SimpleNamespace
-
-    from megatron.zero_bubble.patches import linear_wgrad
-    from megatron.zero_bubble.schedules.handcrafted import zb_h1
-
-    split, fused = zb_h1(2, 4), one_f_one_b(2, 4)
-    plain, overlapped = SimpleNamespace(), SimpleNamespace(ddp_config=SimpleNamespace(overlap_grad_reduce=True))
-    # the session hands the executor the question "is the linear B/W split in force?" (no runtime -> patches import)
-    executor = PipelineExecutor(lambda m: split, split_backward_ready=linear_wgrad.installed)
-    executor.check_runtime_support(fused, [plain])  # 1F1B needs neither
-    with pytest.raises(ScheduleError, match="B/W split of the linear layers is not installed"):
-        executor.check_runtime_support(split, [plain])
-    linear_wgrad.install()
-    try:
-        executor.check_runtime_support(split, [plain])
-        executor.check_runtime_support(split, [overlapped])  # the stores report deferred weights to DDP
-    finally:
-        linear_wgrad.uninstall()
-
-
 def test_a_session_installs_what_it_is_asked_for_and_removes_it_all_even_after_a_failed_install(monkeypatch):
     import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.core.tensor_parallel.layers as layers
 
-    from megatron.zero_bubble.patches import linear_wgrad
     from megatron.zero_bubble.training.session import ZeroBubbleSession
 
     from megatron.core.distributed import DistributedDataParallel
@@ -94,17 +70,14 @@ def test_a_session_installs_what_it_is_asked_for_and_removes_it_all_even_after_a
     from megatron.zero_bubble.patches import ddp_bucketing
 
     def bindings():
-        return (schedules.get_forward_backward_func, layers.linear_with_grad_accumulation_and_async_allreduce,
-                DistributedDataParallel.__dict__["__init__"],
+        return (schedules.get_forward_backward_func, DistributedDataParallel.__dict__["__init__"],
                 ProcessGroupCollection.__dict__["setup_process_groups_for_ddp"])
 
     before = bindings()
-    executor = PipelineExecutor(lambda m: one_f_one_b(2, m))
-    with ZeroBubbleSession(executor, split_backward=True, bucket_every_stage=True) as session:
-        assert linear_wgrad.installed() and schedule_selection.installed_executor() is executor
-        assert ddp_bucketing.installed() and DistributedDataParallel.__dict__["__init__"] is not before[2]
-        assert session.executor is executor
-    assert not linear_wgrad.installed() and schedule_selection.installed_executor() is None
+    with ZeroBubbleSession(schedule_for=lambda m: one_f_one_b(2, m), bucket_every_stage=True) as session:
+        assert isinstance(session.executor, PipelineExecutor) and session.executor.megatron is session.megatron
+        assert schedules.get_forward_backward_func(pp_size=2) is session.pipeline
+        assert ddp_bucketing.installed() and DistributedDataParallel.__dict__["__init__"] is not before[1]
     assert not ddp_bucketing.installed() and bindings() == before
 
     def fail(*options):
@@ -112,6 +85,13 @@ def test_a_session_installs_what_it_is_asked_for_and_removes_it_all_even_after_a
 
     monkeypatch.setattr(schedule_selection, "install", fail)
     with pytest.raises(PatchError, match="refused for the test"):
-        ZeroBubbleSession(executor, split_backward=True).install()
-    assert not linear_wgrad.installed()  # installed before the failure, removed by it
-    assert layers.linear_with_grad_accumulation_and_async_allreduce is before[1]
+        ZeroBubbleSession(schedule_for=lambda m: one_f_one_b(2, m), bucket_every_stage=True).install()
+    assert not ddp_bucketing.installed()  # installed before the failure, removed by it
+    assert bindings() == before
+
+
+def test_a_session_takes_fixed_plans_or_re_planning_not_both():
+    from megatron.zero_bubble.training.session import ZeroBubbleSession
+
+    with pytest.raises(ValueError, match="not both"):
+        ZeroBubbleSession(schedule_for=lambda m: one_f_one_b(2, m), plan_settings=object())

@@ -83,17 +83,13 @@ def _finalize_then_inject_inf(finalize, chunks, *args, **kwargs):
 
 
 def _run_case(case: Case) -> dict:
-    from megatron.zero_bubble.runtime.executor import PipelineExecutor
     from megatron.zero_bubble.training.session import ZeroBubbleSession
 
     v_shape = case.schedule in V_SCHEDULES
     ours = case.post_validation or v_shape  # else megatron's own schedule is the synchronous reference
-    executor = None
-    if ours:
-        executor = PipelineExecutor(lambda m: _schedule(case.schedule, case.layout.pp, m, case.post_validation))
-    split = ours and case.schedule != "interleaved-1f1b"
+    plans = (lambda m: _schedule(case.schedule, case.layout.pp, m, case.post_validation)) if ours else None
     # every stage bucketed on both sides: the distributed optimizer's shards (and its norm's sum) follow buckets
-    session = ZeroBubbleSession(executor, split_backward=split, v_stages=case.layout.pp if v_shape else None,
+    session = ZeroBubbleSession(schedule_for=plans, v_stages=case.layout.pp if v_shape else None,
                                 bucket_every_stage=case.overlap)
     if v_shape:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
@@ -106,7 +102,6 @@ def _train(case: Case, session) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.zero_bubble.runtime.post_validation import PostValidation
     from megatron.zero_bubble.schedules.planners import layout_of
 
     harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
@@ -123,9 +118,8 @@ def _train(case: Case, session) -> dict:
     dist.all_gather_object(stage_of_rank, stage)
     controller = None
     if case.post_validation:
-        controller = PostValidation.for_optimizer(optimizer, exact=case.exact, layout=layout_of(case.schedule),
-                                                  chunks=len(chunks))
-        session.attach_post_validation(controller, chunks)
+        controller = session.start_post_validation(optimizer, chunks, exact=case.exact, layout=layout_of(case.schedule),
+                                                   chunks=len(chunks))
     losses, step_collectives, outcomes, grad_norms = {}, [], [], []
     m = case.microbatches
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()

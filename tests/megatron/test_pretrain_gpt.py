@@ -317,7 +317,7 @@ def check_refusals(cases_path: str) -> None:
         sys.argv = ["pretrain_gpt.py", *flags]
         os.environ["WORLD_SIZE"] = str(world_size)
         try:
-            arguments.check(parse_args(arguments.add_arguments))
+            arguments.check(parse_args(arguments.add_arguments), flags)
             results[label] = None
         except arguments.StartupRefusal as refusal:
             results[label] = str(refusal)
@@ -533,12 +533,23 @@ def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dum
     # timers 2..4 in megatron's counter: logged iterations 3-4 measured, the new schedule from logged 5 on
     assert "running it from iteration 5" in runs[run] and "measured in iterations 3-4" in runs[run]
     files = sorted(os.listdir(os.path.join(work_dir, dump)))
-    assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter5.json", f"{name}-m8-iter5.png"]
+    assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter5.json", f"{name}-m8-iter5.png",
+                     f"{name}-m8-measured-iter4.trace.json"]
     replanned = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-iter5.json")).read())
     costs = Costs.from_dict(replanned.info["costs"])
     assert costs.memory_unit == "bytes" and min(costs.m_f) > 0 and min(costs.t_f) > 0 and min(costs.t_w) > 0
     timeline = validate(replanned, costs)
     assert abs(100 * timeline.bubble_rate - float(lines[1][2])) < 0.01
+    # the measured timeline of the last profiled iteration (logged 4): every rank's passes of the schedule that
+    # ran then, in its order, each with its planned start
+    ran = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-initial.json")).read())
+    trace = json.load(open(os.path.join(work_dir, dump, f"{name}-m8-measured-iter4.trace.json")))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in range(4):
+        mine = [e for e in events if e["tid"] == rank]
+        assert [e["name"] for e in mine] == [str(p) for p in ran.ranks[rank]]
+        assert all(e["dur"] > 0 and e["args"]["planned_start_ms"] >= 0 for e in mine)
+        assert [e["ts"] for e in mine] == sorted(e["ts"] for e in mine)
 
 
 def test_megatrons_own_schedule_runs_without_the_runtime(runs):
@@ -707,11 +718,11 @@ def test_what_needs_no_megatron_is_refused_before_its_import_with_the_same_line(
 
 def test_the_early_parse_reads_megatrons_flags_as_megatron_declares_them(refusals):
     """Type, nargs, action and destination of each megatron flag the early checks read, against megatron's parser."""
-    from megatron.zero_bubble.training.arguments import _EARLY_MEGATRON_FLAGS
+    from megatron.zero_bubble.training.arguments import EARLY_MEGATRON_FLAGS
 
     declared = refusals["early flags"]
-    assert set(_EARLY_MEGATRON_FLAGS) <= set(declared)
-    for flag in _EARLY_MEGATRON_FLAGS:
+    assert set(EARLY_MEGATRON_FLAGS) <= set(declared)
+    for flag in EARLY_MEGATRON_FLAGS:
         ours, megatrons = declared[flag]
         assert megatrons is not None, f"megatron has no {flag}"
         assert ours == megatrons, f"{flag}: ours {ours}, megatron's {megatrons}"

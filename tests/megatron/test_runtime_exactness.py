@@ -49,7 +49,7 @@ class Case:
     steps: int = 1  # > 1: that many iterations with an Adam step after each
     spec: ModelSpec = SPEC
     forward_only: bool = False
-    patch_only: bool = False  # install the linear patch but run megatron's schedule
+    patch_only: bool = False  # megatron's schedule on layers split into stores that are never active
     overlap: bool = False  # megatron DDP's overlapped gradient reduction, in small buckets
     distributed: bool = False  # with overlap: the distributed optimizer and overlapped parameter gathers
     slow_first_stage_s: float = 0.0  # > 0: every F on pipeline rank 0 takes this much longer; passes are timed
@@ -102,20 +102,28 @@ def _record_reductions(chunks: list, events: list) -> None:
 
 def _run_case(case: Case) -> dict:
     from megatron.core import parallel_state
-    from megatron.zero_bubble.runtime.executor import PipelineExecutor
+    from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
     from megatron.zero_bubble.training.session import ZeroBubbleSession
 
-    executor = None
+    plans = None
     if case.schedule is not None:
-        executor = PipelineExecutor(lambda mbs: _cached_schedule(case.schedule, case.layout.pp, mbs, case.costs))
+        plans = lambda mbs: _cached_schedule(case.schedule, case.layout.pp, mbs, case.costs)  # noqa: E731
     v_stages = case.layout.pp if case.schedule in V_SCHEDULES else None
     if v_stages is not None:  # the V placement must be in place before the groups are made
         harness.destroy_parallel_state()
-    split = case.schedule is not None or case.patch_only
-    with ZeroBubbleSession(executor, split_backward=split, v_stages=v_stages,
-                           bucket_every_stage=case.every_stage_buckets):
+    events = []  # of the last step: passes of our executor, reductions megatron's DDP starts
+    observer = None
+    if case.slow_first_stage_s:
+        observer = lambda p, start, end: events.append(("pass", p.op, p.chunk, p.mb, end - start))  # noqa: E731
+    elif case.overlap and case.schedule is not None:
+        observer = lambda p, start, end: events.append(("pass", p.op, p.chunk, p.mb))  # noqa: E731
+    with ZeroBubbleSession(schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.every_stage_buckets,
+                           observer=observer) as session:
         harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
+        if case.patch_only:  # megatron's schedule on layers whose W goes to a store that is never active
+            stores = [WeightGradStore(f"chunk {k}") for k in range(len(chunks))]
+            assert all(store.attach(chunk, session.megatron) for store, chunk in zip(stores, chunks))
         if case.ddp:
             chunks = harness.wrap_in_ddp(chunks, _ddp_config(case))
         optimizer = None
@@ -125,18 +133,14 @@ def _run_case(case: Case) -> dict:
             optimizer = harness.make_optimizer(chunks, OptimizerConfig(
                 optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=case.clip_grad,
                 use_distributed_optimizer=case.distributed))
-        events = []  # of the last step: passes of our executor, reductions megatron's DDP starts
         forward_step = harness.gpt_forward_step
         if case.slow_first_stage_s:
             forward_step = functools.partial(_slow_on_first_stage, case.slow_first_stage_s)
-            executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb, seconds))
         if case.overlap and len(chunks) > 1 and case.distributed:  # as megatron.training does (align_param_gather)
             chunks[0].config.param_sync_func = [_recorded(chunk.start_param_sync, events, ("param sync", k))
                                                 for k, chunk in enumerate(chunks)]
         if case.overlap:
             _record_reductions(chunks, events)
-            if executor is not None:
-                executor.pass_timer = lambda op, chunk, mb, seconds: events.append(("pass", op, chunk, mb))
         m, losses = case.microbatches, {}
         for step in range(case.steps):
             events.clear()
@@ -159,7 +163,7 @@ def _run_case(case: Case) -> dict:
             "losses": losses,
             "grads": grads,
             "params": harness.full_params(chunks),
-            "stats": executor.last_stats if executor is not None else None,
+            "stats": session.executor.last_stats if session.executor is not None else None,
             "events": list(events),
             "bucket_groups": [len(c.bucket_groups + c.expert_parallel_bucket_groups) for c in chunks] if case.ddp else [],
         }

@@ -1,6 +1,6 @@
 """B/W split of megatron-core's tensor-parallel linear layers: exactness, FIFO order, memory accounting.
 
-The reference is megatron's own backward (patch uninstalled). With the store active, B then W per
+The reference is megatron's own backward (no store attached). With the store active, B then W per
 microbatch must give bit-identical grad_input, weight and bias gradients (torch.equal), accumulated over
 several microbatches. The micro benchmark is
 benchmarks/split_backward.py.
@@ -20,8 +20,9 @@ imports.install()
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 from megatron.core.tensor_parallel import layers  # noqa: E402
 
-from megatron.zero_bubble.patches import linear_wgrad  # noqa: E402
-from megatron.zero_bubble.runtime.wgrad_store import STORE_ATTRIBUTE, WeightGradStore  # noqa: E402
+from megatron.zero_bubble.patches._patching import PatchError  # noqa: E402
+from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
+from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
 from tests.megatron.harness import free_port  # noqa: E402
 
@@ -46,10 +47,7 @@ def tp_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def patch_uninstalled_after_each_test():
-    yield
-    linear_wgrad.uninstall()
+MEGATRON = MegatronAdapter()
 
 
 def make_layer(kind: str, bias: bool, group, seed: int = 0, fusion: bool = False, tp: int = 1, sp: bool = False):
@@ -147,10 +145,9 @@ def test_split_backward_then_w_in_order_matches_megatron_bit_for_bit(tp_group, k
     data = microbatch_data(reference)
     want = fused_run(reference, data)
 
-    linear_wgrad.install()
     layer = make_layer(kind, bias, tp_group)
     store = WeightGradStore("test")
-    assert store.attach(layer) == 1
+    assert store.attach(layer, MEGATRON) == 1
     got = split_run(layer, data, store)
     assert_bit_identical(got, want)
     assert store.pending_count == 0 and store.pending_bytes == 0
@@ -162,10 +159,9 @@ def test_saved_tensor_hooks_that_copy_still_accumulate_into_the_parameter(tp_gro
     data = microbatch_data(reference)
     want = fused_run(reference, data)
 
-    linear_wgrad.install()
     layer = make_layer("column", True, tp_group)
     store = WeightGradStore("test")
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
         got = split_run(layer, data, store)
     assert_bit_identical(got, want)
@@ -177,20 +173,18 @@ def test_w_interleaved_with_later_b_passes_matches_megatron(tp_group, kind, bias
     data = microbatch_data(reference)
     want = fused_run(reference, data)
 
-    linear_wgrad.install()
     layer = make_layer(kind, bias, tp_group)
     store = WeightGradStore("test")
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     got = split_run(layer, data, store, order=["B0", "B1", "W0", "B2", "W1", "W2"])
     assert_bit_identical(got, want)
 
 
 def test_b_pass_defers_weight_grad_but_not_bias_grad_and_counts_bytes(tp_group):
-    linear_wgrad.install()
     layer = make_layer("column", True, tp_group)
     data = microbatch_data(layer)
     store = WeightGradStore("test")
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     run_b_passes(layer, data[:2], store)
     assert layer.weight.grad is None and layer.bias.grad is not None
     per_mb = sum(t.numel() * t.element_size() for t in data[0])  # input + grad_output of the one layer
@@ -203,37 +197,50 @@ def test_b_pass_defers_weight_grad_but_not_bias_grad_and_counts_bytes(tp_group):
 
 
 @pytest.mark.parametrize("kind,bias", CASES)
-def test_installed_patch_with_store_absent_or_inactive_is_megatron(tp_group, kind, bias):
+def test_attached_store_that_is_not_active_is_megatron(tp_group, kind, bias):
     reference = make_layer(kind, bias, tp_group)
     data = microbatch_data(reference)
     want = fused_run(reference, data)
 
-    linear_wgrad.install()
-    assert_bit_identical(fused_run(make_layer(kind, bias, tp_group), data), want)  # no store attached
     layer = make_layer(kind, bias, tp_group)
     store = WeightGradStore("test")
-    store.attach(layer)
-    assert_bit_identical(fused_run(layer, data), want)  # store attached, not active
+    store.attach(layer, MEGATRON)
+    assert_bit_identical(fused_run(layer, data), want)  # store attached, not active: W runs at once
     assert store.pending_count == 0
 
 
-def test_uninstall_restores_megatron_function_object_and_install_is_idempotent():
-    original = layers.linear_with_grad_accumulation_and_async_allreduce
-    linear_wgrad.install()
-    linear_wgrad.install()
-    assert layers.linear_with_grad_accumulation_and_async_allreduce is linear_wgrad.deferrable_linear
-    assert linear_wgrad.original_linear() is original
-    linear_wgrad.uninstall()
-    assert layers.linear_with_grad_accumulation_and_async_allreduce is original
-    assert not linear_wgrad.installed()
+def test_detach_gives_the_layer_megatrons_own_forward_back(tp_group):
+    layer = make_layer("column", True, tp_group)
+    assert "_forward_impl" not in vars(layer)
+    store = WeightGradStore("test")
+    assert store.attach(layer, MEGATRON) == 1
+    assert "_forward_impl" in vars(layer)  # this layer's own, shadowing megatron's method
+    store.detach()
+    assert "_forward_impl" not in vars(layer)
+    assert type(layer)._forward_impl is layers.ColumnParallelLinear._forward_impl
+    assert store.weights == ()
+
+
+def test_a_layer_handed_another_weight_runs_megatrons_backward(tp_group):
+    """A tied output layer is handed the embedding's weight at each call: its gradient is autograd's, as in
+    megatron, not the store's."""
+    layer = make_layer("column", False, tp_group)
+    other = torch.nn.Parameter(layer.weight.detach().clone())
+    store = WeightGradStore("test")
+    store.attach(layer, MEGATRON)
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    with store.split_backward():
+        output = layer._forward_impl(input=x, weight=other, bias=None, gradient_accumulation_fusion=False,
+                                     allreduce_dgrad=False, sequence_parallel=False, tp_group=tp_group)
+        output.sum().backward()
+    assert other.grad is not None and store.pending_count == 0
 
 
 def test_w_out_of_order_raises_schedule_error(tp_group):
-    linear_wgrad.install()
     layer = make_layer("row", False, tp_group)
     data = microbatch_data(layer)
     store = WeightGradStore("chunk0")
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     run_b_passes(layer, data[:2], store)
     with pytest.raises(ScheduleError, match="W of microbatch 1 requested .* microbatch 0 is next"):
         store.run_next(1)
@@ -246,9 +253,9 @@ def test_w_out_of_order_raises_schedule_error(tp_group):
 def test_store_state_errors_and_detach(tp_group):
     layer = make_layer("column", False, tp_group)
     store, other = WeightGradStore("a"), WeightGradStore("b")
-    store.attach(layer)
-    with pytest.raises(ScheduleError, match="already attached"):
-        other.attach(layer)
+    store.attach(layer, MEGATRON)
+    with pytest.raises(PatchError, match="already split into WeightGradStore 'a'"):
+        other.attach(layer, MEGATRON)
     with pytest.raises(RuntimeError, match="outside split_backward"):
         store.defer(object())
     store.close_microbatch(0)
@@ -256,7 +263,7 @@ def test_store_state_errors_and_detach(tp_group):
         store.close_microbatch(0)
     assert store.run_next(0) == 0  # a microbatch without deferred work still keeps FIFO order
     store.detach()
-    assert not hasattr(layer.weight, STORE_ATTRIBUTE)
+    assert "_forward_impl" not in vars(layer)
 
 
 def test_fused_accumulation_into_main_grad_matches_megatron(tp_group, monkeypatch):
@@ -277,11 +284,10 @@ def test_fused_accumulation_into_main_grad_matches_megatron(tp_group, monkeypatc
     want = fused_run(reference, data)
     assert reference.weight.grad is None  # megatron returns no weight grad without DDP's flag
 
-    linear_wgrad.install()
     layer = layer_with_main_grad()
     layer.weight.grad_added_to_main_grad = False  # as megatron DDP sets it
     store = WeightGradStore("test")
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     assert_bit_identical(split_run(layer, data, store), want)
     assert layer.weight.grad_added_to_main_grad is True and layer.weight.grad is None
 
@@ -307,11 +313,10 @@ def test_ddp_style_main_grad_without_fusion_matches_megatron_hook(tp_group):
     data = microbatch_data(reference)
     want = fused_run(reference, data)
 
-    linear_wgrad.install()
     layer = with_ddp_hook(make_layer("row", True, tp_group))
     ready = []
     store = WeightGradStore("test", grad_ready=ready.append)
-    store.attach(layer)
+    store.attach(layer, MEGATRON)
     assert_bit_identical(split_run(layer, data, store, last=MICROBATCHES - 1), want)
     assert ready == [layer.weight]  # once, when the last microbatch's W completed it
     assert layer.weight.grad is None
@@ -327,13 +332,13 @@ def _tp2_layer_cases() -> dict:
     from tests.megatron import harness
 
     from megatron.core.tensor_parallel import mappings
-    from megatron.zero_bubble.patches._patching import Patcher
+    from megatron.zero_bubble.patches._patching import PatchSet
     from megatron.zero_bubble.patches.cpu_backend_torch import CpuTorch
 
     harness.init_parallel_state(tp=2)
     # The CPU backend leaves mappings.py alone (GPTModel on CPU never uses sequence parallelism), but its
     # sequence-parallel reduce-scatter allocates on torch.cuda.current_device(): seen as the CPU here.
-    sequence_parallel_on_cpu = Patcher("test_sequence_parallel_on_cpu")
+    sequence_parallel_on_cpu = PatchSet("test_sequence_parallel_on_cpu")
     if mappings.torch is torch:
         sequence_parallel_on_cpu.replace(mappings, "torch", CpuTorch())
     try:
@@ -349,15 +354,11 @@ def _tp2_layer_cases_on(rank: int) -> dict:
             reference = make_layer(kind, bias, None, tp=2, sp=sp)
             data = microbatch_data(reference, seed=1 + rank, tp=2)
             want = fused_run(reference, data)
-            linear_wgrad.install()
-            try:
-                layer = make_layer(kind, bias, None, tp=2, sp=sp)
-                store = WeightGradStore("tp2")
-                store.attach(layer)
-                got = split_run(layer, data, store, order=INTERLEAVED)
-                out[(kind, bias, sp)] = {"mismatches": mismatches(got, want), "pending_bytes": store.pending_bytes}
-            finally:
-                linear_wgrad.uninstall()
+            layer = make_layer(kind, bias, None, tp=2, sp=sp)
+            store = WeightGradStore("tp2")
+            store.attach(layer, MEGATRON)
+            got = split_run(layer, data, store, order=INTERLEAVED)
+            out[(kind, bias, sp)] = {"mismatches": mismatches(got, want), "pending_bytes": store.pending_bytes}
     return out
 
 
@@ -408,22 +409,18 @@ def _gpt_case(tp: int, sp: bool, ddp: bool, schedule: bool) -> dict:
         want = harness.full_grads([reference])
     else:
         want, _ = _gpt_manual_run(build(), spec)
-    linear_wgrad.install()
-    try:
-        chunk = build()
-        store = WeightGradStore("gpt")
-        deferred = store.attach(chunk)
-        if schedule:
-            with store.split_backward():
-                harness.run_forward_backward([chunk], spec, GPT_MICROBATCHES)
-            peak_pending = store.pending_bytes
-            store.flush()
-            got = harness.full_grads([chunk])
-        else:
-            got, peak_pending = _gpt_manual_run(chunk, spec, store, INTERLEAVED)
-        assert store.pending_count == 0 and store.pending_bytes == 0
-    finally:
-        linear_wgrad.uninstall()
+    chunk = build()
+    store = WeightGradStore("gpt")
+    deferred = store.attach(chunk, MEGATRON)
+    if schedule:
+        with store.split_backward():
+            harness.run_forward_backward([chunk], spec, GPT_MICROBATCHES)
+        peak_pending = store.pending_bytes
+        store.flush()
+        got = harness.full_grads([chunk])
+    else:
+        got, peak_pending = _gpt_manual_run(chunk, spec, store, INTERLEAVED)
+    assert store.pending_count == 0 and store.pending_bytes == 0
     differing = sorted(name for name in want if not torch.equal(got.get(name), want[name]))
     return {"names": sorted(want) == sorted(got), "differing": differing, "deferred": deferred,
             "peak_pending_bytes": peak_pending}

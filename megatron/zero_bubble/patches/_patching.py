@@ -2,8 +2,8 @@
 
 - `PatchSet` records every change one patch makes: `replace` (an existing attribute), `replace_everywhere`
   (the attribute and every megatron module's by-name binding of the same object: `from x import f` copies
-  f into the importer, so patching x.f alone would miss it), `add` (an attribute the target lacks) and
-  `add_module` (a sys.modules entry). `restore()` undoes them in reverse order.
+  f into the importer, so patching x.f alone would miss it), `add` (an attribute the target lacks),
+  `shadow` (one object's own attribute over its class's) and `add_module` (a sys.modules entry). `restore()` undoes them in reverse order.
 - All sets share one ledger, so undo is last-in-first-out per attribute whatever order the patches are
   removed in: when two patches wrap the same function and the earlier one is removed first, the later
   one's saved original is re-pointed past it instead of being resurrected on restore.
@@ -53,7 +53,7 @@ def check_megatron_core_version(version: str | None = None) -> str:
     return version
 
 
-@dataclass
+@dataclass(eq=False)  # a change is itself (the ledger finds it by identity), whatever its owner's __eq__
 class _Change:
     owner: object  # a module, class or object; sys.modules for add_module
     attr: str
@@ -134,6 +134,15 @@ class PatchSet:
             raise PatchError(f"patch '{self.name}': {getattr(owner, '__name__', owner)}.{attr} exists already")
         self._record(owner, attr, _MISSING, value)
 
+    def shadow(self, instance: object, attr: str, value: object) -> None:
+        """Give one object its own `attr`, hiding its class's (a method, say); restore deletes it again."""
+        if attr in getattr(instance, "__dict__", {}):
+            raise PatchError(f"patch '{self.name}': {type(instance).__name__} object has its own {attr} already")
+        if not hasattr(type(instance), attr):
+            raise PatchError(f"patch '{self.name}': {type(instance).__name__}.{attr} does not exist in megatron-core "
+                             f"{megatron_core_version()}; this patch was written for {_supported()}")
+        self._record(instance, attr, _MISSING, value)
+
     def add_module(self, name: str, module: object) -> None:
         """Put a module under `name` in sys.modules (a stand-in for one that cannot import here)."""
         if name in sys.modules:
@@ -159,10 +168,6 @@ class PatchSet:
                 change.write(change.original)
             del _LEDGER[position]
         self._changes.clear()
-
-
-# The name the patches used before PatchSet; kept for callers outside this package.
-Patcher = PatchSet
 
 
 class MegatronPatch:

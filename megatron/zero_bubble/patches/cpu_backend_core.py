@@ -1,13 +1,14 @@
 """CPU backend, core part: megatron-core's schedules, GPTModel, DDP and optimizer on CPU with gloo.
 
-Patches (each needed on some CPU code path; see /work/shared/reference/megatron-cpu.md):
+Patches (each needed on some CPU code path, each proven necessary by switching it off):
 - the module global `torch` of the modules listed in `MODULES_SEEING_CPU_AS_CUDA` becomes a `CpuTorch`
   (cpu_backend_torch.py): `torch.cuda.current_device()` -> cpu, `synchronize()` -> no-op,
   `current_stream()` / `Stream` / `stream()` -> do-nothing streams, `device="cuda"` factories -> cpu;
 - the RNG tracker's `_get_cuda_rng_state` / `_set_cuda_rng_state` act on the CPU generator (its `add`
   already goes through the patched `torch.cuda` of tensor_parallel/random.py);
 - `clip_grad_by_total_norm_fp32` without its `torch.cuda.FloatTensor` type assert;
-- the bf16/fp16 optimizer's constructor sees CUDA type names for CPU tensors (it sorts params by them);
+- the bf16/fp16 and distributed optimizers' constructors see CUDA type names for their CPU parameters (they
+  sort params by them): each parameter gets a `type` of its own while the constructor runs;
 - `LanguageModule.setup_embeddings_and_output_layer` runs with `.cuda()` as identity (tied embeddings
   across pipeline stages move the output-layer copy with `weight.data.cuda()`);
 - the tracker's warning "CPU RNG state changed within GPU RNG context" is filtered out of its logger:
@@ -149,23 +150,26 @@ class CoreCpuBackend(MegatronPatch):
 
 
 def _with_cuda_type_names(function):
+    """The constructor, with each parameter of its torch optimizer (its first argument) reporting the CUDA name
+    of its type while it runs: a `type` of that one object's own, removed afterwards; torch is left alone."""
     @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        tensor_type = torch.Tensor.type
-
-        def cuda_type_name(tensor, *type_args, **type_kwargs):
-            name = tensor_type(tensor, *type_args, **type_kwargs)
-            if type_args or type_kwargs or tensor.device.type != "cpu":
-                return name
-            return name.replace("torch.", "torch.cuda.", 1)
-
-        torch.Tensor.type = cuda_type_name
+    def wrapper(self, optimizer, *args, **kwargs):
+        names = PatchSet("cuda type names")
+        for group in getattr(optimizer, "param_groups", ()):
+            for param in group["params"]:
+                if param.device.type == "cpu" and "type" not in vars(param):
+                    names.shadow(param, "type", functools.partial(_cuda_type_name, param))
         try:
-            return function(*args, **kwargs)
+            return function(self, optimizer, *args, **kwargs)
         finally:
-            torch.Tensor.type = tensor_type
+            names.restore()
 
     return wrapper
+
+
+def _cuda_type_name(tensor, *type_args, **type_kwargs):
+    name = torch.Tensor.type(tensor, *type_args, **type_kwargs)
+    return name if type_args or type_kwargs else name.replace("torch.", "torch.cuda.", 1)
 
 
 _PATCH = CoreCpuBackend()

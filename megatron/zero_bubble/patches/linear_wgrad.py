@@ -1,9 +1,9 @@
 """B/W split for megatron-core's tensor-parallel linear layers (ColumnParallelLinear, RowParallelLinear).
 
-`install()` replaces `megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce`,
-which both layers look up as a module global at every call. The replacement calls megatron's own function
-unless the weight carries a `WeightGradStore` (runtime/wgrad_store.py). For such weights the autograd
-function's forward is megatron's, and its backward computes the B part:
+`split_layers(module, store, layer_types)` hands a `WeightGradStore` (runtime/wgrad_store.py) to each such
+layer that owns a trainable weight: the layer's own `_forward_impl` (megatron's per-layer hook that picks the
+linear function; a method, shadowed on that one object) becomes a `SplitLinearForward`, whose autograd
+function's forward is megatron's and whose backward computes the B part:
 - grad_input = grad_output @ weight, with the same TP all-reduce or sequence-parallel reduce-scatter,
   and grad_bias as megatron computes it;
 - a `DeferredLinearWeightGrad` holding the input activation (sharded under sequence parallelism,
@@ -13,9 +13,11 @@ Running that work computes the weight gradient with megatron's ops and accumulat
 backward would have put it (see `DeferredLinearWeightGrad.__call__`). The weight enters the autograd graph
 detached, so its gradient is never autograd's: megatron DDP's per-parameter hook does not fire for it
 (during a B pass it would see no gradient); the store tells DDP instead when the gradient is complete.
+`undo()` of the returned PatchSet gives every layer megatron's own `_forward_impl` back.
 
-Not split (megatron's backward runs unchanged): Transformer Engine layers (they have their own
-delay_wgrad_compute / backward_dw), megatron's embedding wgrad deferral (grad_output_buffer), GTP weight
+Not split (megatron's function runs unchanged): Transformer Engine layers (they have their own
+delay_wgrad_compute / backward_dw), a call with another weight than the layer's own (a tied output layer
+handed the embedding's), megatron's embedding wgrad deferral (grad_output_buffer), GTP weight
 rematerialisation (gtp_remat_size > 1), frozen weights.
 """
 from __future__ import annotations
@@ -24,13 +26,11 @@ from types import SimpleNamespace
 
 import torch
 
-from ..runtime.wgrad_store import STORE_ATTRIBUTE
-from ._patching import MegatronPatch, PatchError, megatron_core_version
+from ._patching import PatchError, PatchSet, megatron_core_version
 
-TARGET = "linear_with_grad_accumulation_and_async_allreduce"
-# What the deferrable backward reuses from megatron's layers module (checked by install()).
+# What the deferrable backward reuses from megatron's layers module (checked by split_layers).
 _NEEDED_FROM_LAYERS = (
-    TARGET, "LinearWithGradAccumulationAndAsyncCommunication", "custom_bwd", "get_global_memory_buffer",
+    "LinearWithGradAccumulationAndAsyncCommunication", "custom_bwd", "get_global_memory_buffer",
     "get_tensor_model_parallel_group_if_none", "prepare_input_tensors_for_wgrad_compute",
     "dist_all_gather_func", "dist_reduce_scatter_func",
 )
@@ -42,67 +42,56 @@ def _layers():
     return layers
 
 
-class LinearWgrad(MegatronPatch):
-    name = "linear_wgrad"
-
-    def apply(self) -> None:
-        layers = _layers()
-        missing = [name for name in _NEEDED_FROM_LAYERS if not hasattr(layers, name)]
-        if missing:
-            raise PatchError(
-                f"patch 'linear_wgrad': megatron.core.tensor_parallel.layers lacks {', '.join(missing)} in "
-                f"megatron-core {megatron_core_version()}; this patch was written for 0.19.x"
-            )
-        # megatron's function reads its `.warned` flag through the module global, which is now ours.
-        deferrable_linear.warned = getattr(layers, TARGET).warned
-        self.patches.replace(layers, TARGET, deferrable_linear)
-
-
-_PATCH = LinearWgrad()
-
-
-def install() -> None:
-    """Route megatron's TP linear layers through the deferrable backward (idempotent, version-checked)."""
-    _PATCH.install()
-
-
-def uninstall() -> None:
-    """Put megatron's original function back."""
-    _PATCH.uninstall()
+def split_layers(module: torch.nn.Module, store, layer_types: tuple) -> tuple[list, PatchSet]:
+    """Route the weight gradient of every `layer_types` layer of `module` that owns a trainable weight into
+    `store`; returns (their weights, the PatchSet whose restore() undoes it). A layer another store holds
+    already is refused: a weight belongs to one model chunk."""
+    missing = [name for name in _NEEDED_FROM_LAYERS if not hasattr(_layers(), name)]
+    if missing:
+        raise PatchError(f"the B/W split: megatron.core.tensor_parallel.layers lacks {', '.join(missing)} in "
+                         f"megatron-core {megatron_core_version()}; it was written for 0.19.x")
+    patches, weights = PatchSet(f"linear_wgrad ({store.name})"), []
+    try:
+        for layer in module.modules():
+            weight = getattr(layer, "weight", None) if isinstance(layer, layer_types) else None
+            if weight is None or not weight.requires_grad:
+                continue
+            held = vars(layer).get("_forward_impl")
+            if isinstance(held, SplitLinearForward):
+                raise PatchError(f"the weight of {type(layer).__name__} is already split into WeightGradStore "
+                                 f"{held.store.name!r}; a weight can belong to one model chunk only")
+            patches.shadow(layer, "_forward_impl", SplitLinearForward(layer, store))
+            weights.append(weight)
+    except BaseException:
+        patches.restore()
+        raise
+    return weights, patches
 
 
-def installed() -> bool:
-    return _PATCH.installed
+def split_store(layer):
+    """The WeightGradStore `layer`'s weight gradient goes to, or None (megatron's own backward)."""
+    held = vars(layer).get("_forward_impl")
+    return held.store if isinstance(held, SplitLinearForward) else None
 
 
-def original_linear():
-    """megatron-core's own linear_with_grad_accumulation_and_async_allreduce (patched or not)."""
-    layers = _layers()
-    return _PATCH.patches.original(layers, TARGET)
+class SplitLinearForward:
+    """A layer's `_forward_impl` with its weight gradient going to `store` (same signature as megatron's)."""
 
+    def __init__(self, layer, store):
+        self.layer, self.store = layer, store
 
-def deferrable_linear(
-    input,
-    weight,
-    bias,
-    gradient_accumulation_fusion,
-    allreduce_dgrad,
-    sequence_parallel,
-    grad_output_buffer=None,
-    wgrad_deferral_limit=0,
-    tp_group=None,
-    gtp_remat_size=1,
-):
-    """Drop-in for megatron's function (same signature); splits the backward of store-owned weights."""
-    args = (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
-            grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
-    store = getattr(weight, STORE_ATTRIBUTE, None)
-    if store is None or grad_output_buffer is not None or gtp_remat_size > 1:
-        return original_linear()(*args)
-    tp_group = _layers().get_tensor_model_parallel_group_if_none(tp_group)
-    # Detached, and the Parameter itself inside a tuple (autograd looks at tensor arguments only): the weight's
-    # gradient is the store's to accumulate (no AccumulateGrad node, so no DDP hook).
-    return _DeferrableLinear.apply(input, weight.detach(), *args[2:8], tp_group, gtp_remat_size, store, (weight,))
+    def __call__(self, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                 grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
+        args = (input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
+        own = weight is self.layer.weight and weight.requires_grad
+        if not own or grad_output_buffer is not None or gtp_remat_size > 1:
+            return type(self.layer)._forward_impl(self.layer, *args)
+        tp_group = _layers().get_tensor_model_parallel_group_if_none(tp_group)
+        # Detached, and the Parameter itself inside a tuple (autograd looks at tensor arguments only): the
+        # weight's gradient is the store's to accumulate (no AccumulateGrad node, so no DDP hook).
+        return _DeferrableLinear.apply(input, weight.detach(), *args[2:8], tp_group, gtp_remat_size, self.store,
+                                       (weight,))
 
 
 class _DeferrableLinear(torch.autograd.Function):

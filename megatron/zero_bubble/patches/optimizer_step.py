@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 
-from . import megatron_private
 from ._patching import MegatronPatch
 
 
@@ -18,7 +17,6 @@ class OptimizerStep(MegatronPatch):
 
     def apply(self, controller, model_chunks) -> None:
         optimizer = controller.optimizer
-        self.patches.replace(controller, "megatron_internals", megatron_private)
         zero_grad_original = optimizer.zero_grad
         self.patches.replace(optimizer, "step", controller.step)
         self.patches.replace(optimizer, "zero_grad",

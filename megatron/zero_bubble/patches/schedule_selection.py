@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-from . import megatron_private
 from ._patching import MegatronPatch
 
 
@@ -29,10 +28,6 @@ class ScheduleSelection(MegatronPatch):
                 return patch.options[0]  # the executor installed now (a late binding may outlive this one)
             return original(pp_size=pp_size, vp_size=vp_size, schedule_pg_collection=schedule_pg_collection)
 
-        get_forward_backward_func.zero_bubble_executor = executor
-        runner = getattr(executor, "executor", executor)  # a ReplanningPipeline runs a PipelineExecutor
-        if hasattr(runner, "megatron_internals"):
-            self.patches.replace(runner, "megatron_internals", megatron_private)
         self.patches.replace_everywhere(schedules, "get_forward_backward_func", get_forward_backward_func)
 
 
@@ -51,8 +46,3 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return _PATCH.installed
-
-
-def installed_executor():
-    """The executor in use, or None when megatron-core's own schedules run."""
-    return _PATCH.options[0] if _PATCH.installed else None

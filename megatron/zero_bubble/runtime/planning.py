@@ -17,7 +17,7 @@ from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, p
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 
-DEVICE_MEMORY_SHARE = 0.9  # of free device memory the automatic limit lets activations take
+DEVICE_MEMORY_SHARE = 0.9  # default share of free device memory the automatic limit lets activations take
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class PlanSettings:
     dump_dir: str | None = None
     initial_costs: Costs | None = None  # None: unit costs
     post_validation: bool = False  # S and V passes for the optimizer's post-update validation
+    device_memory_share: float = DEVICE_MEMORY_SHARE  # of the free device memory, for the automatic limit
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class RankZeroPlanner:
             return None
         one_microbatch = rank_memory_limits(s.stages, s.chunks, self.layout, costs, microbatches=1)
         default = default_memory_limit(s.schedule, s.stages)
-        fits = math.floor(DEVICE_MEMORY_SHARE * min(free) / max(max(one_microbatch), 1.0))
+        fits = math.floor(s.device_memory_share * min(free) / max(max(one_microbatch), 1.0))
         if fits < 1:  # planning goes on with one microbatch in flight, but say that it may not fit
             self.log(f"zero-bubble: free device memory ({min(free) / 2**30:.3g} GiB) holds less than one "
                      f"microbatch's activations; planning with --zero-bubble-max-pending-backward 1")

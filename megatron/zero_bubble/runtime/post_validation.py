@@ -11,8 +11,9 @@ iteration's V passes, where the rank rolls a speculative step back (and re-steps
 coefficient) when needed and tells the executor whether the passes that ran before V, on speculative
 weights, must be replayed. Both summaries travel as messages of the schedule's lowering.
 
-The executor talks to this controller through four calls (executor.StepValidation): `statistics` (S),
-`receive_result` and `settle` (V), `flush` (a pending step validated outside an iteration).
+The executor talks to this controller through four calls (iteration.StepValidation): `statistics` (S),
+`receive_result` and `settle` (V), `flush` (a pending step validated outside an iteration). Undoing a step
+(a snapshot, or the in-place inverse) is step_undo.py's; megatron is reached through the adapter handed in.
 
 The squared norms travel per rank of megatron's statistics groups (model-parallel ranks; with MoE also
 the expert group's; every rank with the distributed optimizer), laid out and added up as megatron reduces
@@ -21,7 +22,6 @@ them (step_statistics.py), so the full norm equals megatron's on gloo; with NCCL
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from enum import StrEnum
 from dataclasses import dataclass, field
@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from ..schedules.comm import Recv, Send, consumed, lower
 from ..schedules.post_validation import validation_only
-from . import optimizer_rollback, step_statistics
+from . import step_statistics
 from .p2p import PipelineTransport, current_device
+from .step_undo import StepUndo
 
 # The summary tensor that travels between stages: squared norms and inf flags (step_statistics.SummaryLayout),
 # then these two.
@@ -66,7 +67,7 @@ class _Pending:
     state: StepState
     final: bool  # this rank held the full sums: its step was exact, and it logged the verdict at once
     hyperparameters: list  # per leaf optimizer: [(lr, weight_decay)] per param group at step time
-    undo: list  # per leaf optimizer: a Snapshot (exact) or a StepRecord (in-place inverse), "stepped" only
+    undo: list  # per leaf optimizer: what StepUndo.keep kept, "stepped" only
     scheduler_steps: int | None  # the LR scheduler's num_steps before train_step advanced it
 
 
@@ -87,7 +88,7 @@ class PostValidation:
     """Speculative optimizer steps for one pipeline rank, validated one iteration later.
 
     optimizer: megatron-core's (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer or
-    a ChainedOptimizer of those); pp_group: this rank's pipeline group; stats_group: the group megatron
+    a ChainedOptimizer of those); megatron: the adapter to megatron-core; pp_group: this rank's pipeline group; stats_group: the group megatron
     reduces gradient statistics over (its model-parallel group; the world with the distributed optimizer);
     stage_group: the part of it in this stage (tensor-parallel ranks; with the distributed optimizer also
     the data-parallel ones); blocks: instead of those two, megatron's reductions one by one where its leaf
@@ -97,6 +98,7 @@ class PostValidation:
     """
 
     optimizer: object
+    megatron: object
     pp_group: object
     stage_group: object = None
     stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
@@ -113,23 +115,17 @@ class PostValidation:
     rolled_back_steps: int = 0  # steps that some stage undoes (the full sums' holder knows at once, others at V)
     _statistics: _Statistics | None = None  # from this iteration's S pass, for the step
     _unsettled: torch.Tensor | None = None  # the full sums received in V, applied once they went on
-    # megatron's private optimizer methods (patches/megatron_private.py), handed in by the patch that puts
-    # this controller in charge of the step (patches/optimizer_step.py)
-    megatron_internals: object = None
 
     @classmethod
-    def for_optimizer(cls, optimizer, **kwargs) -> "PostValidation":
+    def for_optimizer(cls, optimizer, megatron, **kwargs) -> "PostValidation":
         """With the groups megatron's parallel state gives this optimizer: its leaves' statistics groups, and the
         part of each in this stage (tensor-parallel; expert tensor- and expert-parallel for the expert leaf; also
         data-parallel where the distributed optimizer shards state)."""
-        from megatron.core import parallel_state as ps
-
         leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-        stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
-        blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(stage), [
-            ps.get_tensor_model_parallel_group, ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
-        return cls(optimizer, pp_group=ps.get_pipeline_model_parallel_group(), stage_group=blocks[0].stage_group,
-                   blocks=blocks, **kwargs)
+        groups = megatron.statistics_groups()
+        blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(groups.stage), groups.in_stage)
+        return cls(optimizer, megatron, pp_group=groups.pipeline, stage_group=blocks[0].stage_group, blocks=blocks,
+                   **kwargs)
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
@@ -141,6 +137,7 @@ class PostValidation:
         self.size = self.stats.size
         self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
+        self.undo = StepUndo(self.leaves, self.megatron, self.exact, self.scheduler)
 
     # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
     @torch.no_grad()
@@ -176,9 +173,9 @@ class PostValidation:
             raise RuntimeError("optimizer post-validation: the step came without the schedule's statistics pass "
                                "(S); plan the schedule with post_validation=True")
         state, clip, norm = found.state, found.clip, found.norm
-        pending = _Pending(state, found.final, self._hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
+        pending = _Pending(state, found.final, self.undo.hyperparameters(), [], getattr(self.scheduler, "num_steps", None))
         if state == StepState.STEPPED:
-            pending.undo = [self._keep_for_undo(leaf.optimizer) for leaf in self.leaves]
+            pending.undo = self.undo.keep()
         if state in (StepState.STEPPED, StepState.EXACT):
             if clip:
                 self._clip(norm)
@@ -251,18 +248,18 @@ class PostValidation:
         for chunk in gathers:  # what a forward pre-hook started gathers the speculative step's values: let it end
             chunk.start_param_sync(force_sync=True)
         if undo:
-            self._undo(pending, gather=not gathers)
+            self.undo.restore(pending.undo, pending.hyperparameters, gather=not gathers)
             self.rollbacks += 1
         if step:
             if clip:
                 self._clip(norm)
-            with self._hyperparameters_of(pending):
+            with self.undo.hyperparameters_of(pending.hyperparameters):
                 self._step_leaves()
         for chunk in gathers:  # now every rank of the stage holds the validated parameters
             chunk.start_param_sync(force_sync=True)
         rolled_back = undo
         if nonfinite and pending.state in (StepState.STEPPED, StepState.DEFERRED):
-            self._undo_scheduler_increment(pending)
+            self.undo.scheduler_increment(pending.scheduler_steps)
         replay = self.needs_replay(summary)
         if not pending.final:  # the holder of the full sums did this at its step
             self._update_loss_scale(summary)
@@ -320,12 +317,12 @@ class PostValidation:
             found_inf.append(found)
             if getattr(leaf, "is_stub_optimizer", False):
                 continue
-            if self.megatron_internals.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
-                self.megatron_internals.copy_model_grads_to_main_grads(leaf)
+            if self.megatron.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
+                self.megatron.copy_model_grads_to_main_grads(leaf)
                 if leaf.grad_scaler is not None:
                     leaf.found_inf.fill_(0.0)
                     torch._amp_foreach_non_finite_check_and_unscale_(
-                        self.megatron_internals.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
+                        self.megatron.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
                     )
                     found.copy_(leaf.found_inf.reshape(()))
             else:
@@ -335,38 +332,25 @@ class PostValidation:
     def _squared_norm(self, block) -> torch.Tensor:
         """This rank's sum of squared gradients of the block's leaves, computed as megatron's get_grad_norm_fp32
         does before reducing."""
-        from megatron.core.optimizer import clip_grads
-
         grads = [grad for leaf in block.leaves for grad in self.leaves[leaf].get_grads_for_grad_norm()]
         if not grads:
             return torch.zeros((), dtype=torch.float, device=self.device)
-        overflow = torch.zeros(1, dtype=torch.int, device=self.device)
-        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
-        return (norm**2.0).reshape(()).float()
+        return self.megatron.squared_grad_norm(grads, self.device)
 
     def _needs_clip(self, norm: float) -> bool:
         # Megatron's rule: scale by clip / (norm + 1e-6) when that is below 1 (monotone in the partial sums).
         return self.clip_grad > 0.0 and not math.isnan(norm) and self.clip_grad / (norm + 1.0e-6) < 1.0
 
     def _clip(self, norm: float) -> None:
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         for leaf in self.leaves:
             params = leaf.get_parameters()
             if leaf.config.clip_grad > 0.0 and params:
-                clip_grad_by_total_norm_fp32(params, leaf.config.clip_grad, norm)
+                self.megatron.clip_by_total_norm(params, leaf.config.clip_grad, norm)
 
     def _step_leaves(self) -> None:
         for leaf in self.leaves:
             if not getattr(leaf, "is_stub_optimizer", False):
                 leaf.step_with_ready_grads()  # steps and copies main params to the model's fp16/bf16 ones
-
-    def _keep_for_undo(self, torch_optimizer):
-        if torch_optimizer is None:  # a stub (no parameters on this rank)
-            return None
-        if self.exact:
-            return optimizer_rollback.snapshot(torch_optimizer)
-        return optimizer_rollback.prepare(torch_optimizer), _copy_of_tied_embedding(torch_optimizer)
 
     def _overlapped_gathers(self) -> list:
         """The model chunks whose parameter all-gathers megatron overlaps with the next forward passes
@@ -375,86 +359,8 @@ class PostValidation:
         return [chunk for leaf in self.leaves for chunk in getattr(leaf, "model_chunks", [])
                 if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False)]
 
-    def _undo(self, pending: _Pending, gather: bool = True) -> None:
-        with self._hyperparameters_of(pending):
-            for leaf, kept in zip(self.leaves, pending.undo):
-                if kept is None:
-                    continue
-                if self.exact:
-                    optimizer_rollback.restore(leaf.optimizer, kept)
-                else:
-                    record, tied = kept
-                    optimizer_rollback.invert(leaf.optimizer, record)
-                    _restore_tied_embedding(leaf.optimizer, tied)
-                self.megatron_internals.copy_main_params_to_model_params(leaf)
-                if gather and hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
-                    leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
-
-    def _hyperparameters(self) -> list:
-        return [[(float(g["lr"]), float(g.get("weight_decay", 0.0))) for g in self._groups(leaf)] for leaf in self.leaves]
-
-    @staticmethod
-    def _groups(leaf) -> list:
-        return leaf.optimizer.param_groups if getattr(leaf, "optimizer", None) is not None else []
-
-    @contextlib.contextmanager
-    def _hyperparameters_of(self, pending: _Pending):
-        """Re-step or undo with the learning rate and weight decay of the step (the scheduler moved on since)."""
-        now = self._hyperparameters()
-        self._set_hyperparameters(pending.hyperparameters)
-        try:
-            yield
-        finally:
-            self._set_hyperparameters(now)
-
-    def _set_hyperparameters(self, values: list) -> None:
-        for leaf, groups in zip(self.leaves, values):
-            for group, (lr, wd) in zip(self._groups(leaf), groups):
-                _set(group, "lr", lr)
-                if "weight_decay" in group:
-                    _set(group, "weight_decay", wd)
-
-    def _undo_scheduler_increment(self, pending: _Pending) -> None:
-        """train_step advanced the LR schedule for a step that, in the end, did not happen."""
-        if self.scheduler is None or pending.scheduler_steps is None:
-            return
-        increment = self.scheduler.num_steps - pending.scheduler_steps
-        if increment:
-            self.scheduler.step(increment=-increment)
-
     def _update_loss_scale(self, summary: torch.Tensor) -> None:
         """Each leaf's scaler with its own leaf's inf flag, as megatron's prepare_grads updates it."""
         for index, leaf in enumerate(self.leaves):
             if getattr(leaf, "grad_scaler", None) is not None:
                 leaf.grad_scaler.update(self.stats.overflowed(summary, index))
-
-
-def _set(group: dict, key: str, value: float) -> None:
-    if isinstance(group[key], torch.Tensor):  # a tensor-valued hyperparameter is updated in place by schedulers
-        group[key].fill_(value)
-    else:
-        group[key] = value
-
-
-def _copy_of_tied_embedding(torch_optimizer) -> list:
-    """Exact copies of the tied word-embedding parameter(s) and their state.
-
-    The first stage's copy may be undone, the last stage's never is (it steps knowing the full sums), and
-    megatron keeps the two equal only by stepping them identically: an in-place undo an ulp off would
-    part them for good. So this one tensor is restored exactly; it is small next to the model."""
-    copies = []
-    for group in torch_optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, "shared", False) or getattr(p, "shared_embedding", False):
-                state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in torch_optimizer.state.get(p, {}).items()}
-                copies.append((p, p.detach().clone(), state))
-    return copies
-
-
-def _restore_tied_embedding(torch_optimizer, copies: list) -> None:
-    for p, data, state in copies:
-        p.data.copy_(data)
-        if state:
-            torch_optimizer.state[p] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        else:
-            torch_optimizer.state.pop(p, None)

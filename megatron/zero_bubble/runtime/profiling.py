@@ -1,6 +1,6 @@
 """Measure the costs the planner needs on this rank: T_F, T_B, T_W per model chunk, T_comm, M_B and M_W.
 
-During the timer window a `Profiler` takes every pass time from the executor's `pass_timer`, the bytes
+During the timer window a `Profiler` takes every pass time from the executor's pass observer, the bytes
 each F saves for backward (`saved_activation_bytes`, tensors autograd keeps, weights excluded), and
 the bytes each B leaves in the chunk's WeightGradStore for its W, into a `PassProfile`. `measure_p2p_seconds` times a
 ping-pong of one pipeline tensor between neighbouring ranks. Medians make the figures robust to the odd

@@ -18,6 +18,7 @@ named as megatron's log names them); with a dump directory it writes each schedu
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 import torch
@@ -25,10 +26,12 @@ import torch.distributed as dist
 
 from ..schedules.costs import Costs
 from ..schedules.planners import layout_of
-from ..schedules.schedule import Schedule, ScheduleError
+from ..schedules.schedule import Pass, Schedule, ScheduleError
+from ..schedules.ops import facts
+from ..schedules.trace import TraceRow, chrome_trace, write_trace
 from ..schedules.validate import validate
 from .agreement import agree, schedule_of
-from .executor import PipelineExecutor, pipeline_tensor_shape
+from .executor import PipelineExecutor
 from .p2p import current_device
 from .planning import PlanSettings, RankZeroPlanner, describe_costs
 from .profiling import Profiler, measure_p2p_seconds
@@ -39,15 +42,17 @@ __all__ = ["PlanSettings", "ReplanningPipeline"]
 class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
-    def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int],
-                 log: Callable[[str], None] = print, split_backward_ready: Callable[[], bool] | None = None):
+    def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], megatron,
+                 log: Callable[[str], None] = print):
         self.settings = settings
         self.current_iteration = current_iteration
+        self.megatron = megatron  # patches.megatron_adapter.MegatronAdapter
         self.log = log  # one line; the caller prints it on global rank 0 only
-        self.executor = PipelineExecutor(self.plan_for, split_backward_ready=split_backward_ready)
+        self.executor = PipelineExecutor(self.plan_for, megatron)
         self.planner = RankZeroPlanner(settings, log)
         self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profiler: Profiler | None = None
+        self._call_start, self._measured = 0.0, []  # the timed call's start and its passes (pass, start, end)
         self._announced: set[int] = set()
 
     @property
@@ -73,20 +78,21 @@ class ReplanningPipeline:
             if self.profiler is None:
                 self.profiler = Profiler(s.chunks)
             kwargs["forward_step_func"] = self.profiler.forward_step(kwargs["forward_step_func"], kwargs["model"])
-            self.executor.pass_timer = self._record_pass
-        try:
-            result = self.executor(**kwargs)
-        finally:
-            self.executor.pass_timer = None
+        if timing:  # this iteration's passes, from the start of this call (the last one is dumped)
+            self._call_start, self._measured = time.perf_counter(), []
+        result = self.executor(**kwargs, pass_observer=self._record_pass if timing else None)
         if timing:
             self.profiler.end_iteration()
             if iteration == s.timers_end_iter - 1:
                 self._replan(kwargs, first_logged=iteration + 2)  # megatron logs counter i as iteration i+1
         return result
 
-    def _record_pass(self, op: str, chunk: int, mb: int, seconds: float) -> None:
+    def _record_pass(self, p: Pass, start: float, end: float) -> None:
+        self._measured.append((p, start - self._call_start, end - self._call_start))
+        if not facts(p.op).takes_time:  # the post-validation passes: no cost of the plan's
+            return
         stores = self.executor.stores
-        self.profiler.record_pass(op, chunk, seconds, stores[chunk].pending_bytes if chunk < len(stores) else 0)
+        self.profiler.record_pass(p.op, p.chunk, end - start, stores[p.chunk].pending_bytes if p.chunk < len(stores) else 0)
 
     # -- planning, agreed by every rank ----------------------------------------------------------------
     def plan_for(self, num_microbatches: int) -> Schedule:
@@ -155,20 +161,38 @@ class ReplanningPipeline:
     def _replan(self, call_kwargs: dict, first_logged: int) -> None:
         """Measure T_comm, agree on the re-planned schedule; it runs from megatron's logged iteration
         `first_logged` on."""
-        from megatron.core.utils import get_model_config
-
         chunks = call_kwargs["model"] if isinstance(call_kwargs["model"], list) else [call_kwargs["model"]]
-        config = get_model_config(chunks[0])
-        pg = call_kwargs.get("pg_collection") or self.executor.internals().default_pg_collection()
-        shape = pipeline_tensor_shape(config, pg, call_kwargs["seq_length"], call_kwargs["micro_batch_size"],
-                                      call_kwargs.get("decoder_seq_length"))
+        config = self.megatron.model_config(chunks[0])
+        pg = call_kwargs.get("pg_collection") or self.megatron.default_pg_collection()
+        shape = self.megatron.pipeline_tensor_shape(config, pg, call_kwargs["seq_length"],
+                                                    call_kwargs["micro_batch_size"], call_kwargs.get("decoder_seq_length"))
         t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, current_device())
         report = self.profiler.report(len(chunks), pg.pp.rank())
         m = call_kwargs["num_microbatches"]
         previous = self.plan_for(m)
         schedule = self._agree(m, self._local_facts(report=report, t_comm=t_comm), previous)
         self.profiler = None
+        if self.settings.dump_dir is not None:
+            self._dump_measured(previous, Costs.from_dict(schedule.info["costs"]), pg.pp.rank(), first_logged - 1)
         if schedule is not previous:
             self.schedules[m] = schedule
             self._report(schedule, str(first_logged))
 
+    def _dump_measured(self, ran: Schedule, costs: Costs, pp_rank: int, logged_iteration: int) -> None:
+        """Every rank's passes of the last profiled iteration, next to their planned starts (`ran` simulated on
+        the measured costs), as Chrome trace JSON in the dump directory. Each rank's times run from the start of
+        its own forward-backward call."""
+        mine = [(pp_rank, p.op.value, p.mb, p.chunk, start, end) for p, start, end in self._measured]
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return
+        planned = {(t.rank, t.op): t.start for passes in validate(ran, costs).ranks for t in passes}
+        rows = [TraceRow(rank, Pass(op, mb, chunk), start * 1e3, end * 1e3, ran.virtual_stage(pipeline_rank, chunk),
+                         {"pipeline_rank": pipeline_rank,
+                          "planned_start_ms": planned.get((pipeline_rank, Pass(op, mb, chunk)), 0.0) * 1e3})
+                for rank, passes in enumerate(gathered) for pipeline_rank, op, mb, chunk, start, end in passes]
+        os.makedirs(self.settings.dump_dir, exist_ok=True)
+        stem = f"{self.settings.schedule}-m{ran.microbatches}-measured-iter{logged_iteration}"
+        write_trace(chrome_trace(rows, source=f"measured ({self.settings.schedule}, iteration {logged_iteration})",
+                                 ranks=len(gathered)), os.path.join(self.settings.dump_dir, stem + ".trace.json"))

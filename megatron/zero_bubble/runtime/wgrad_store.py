@@ -16,9 +16,9 @@ by microbatch, in W passes of about equal cost: each weight still accumulates it
 (bit-identical), but the last layers' gradients are complete after the first of those passes instead of
 the last, so their reduction overlaps the rest.
 
-The store is reached from the weights it owns (an attribute on each Parameter), never from thread-local
-or global state: autograd runs CUDA backward on a device thread, where the caller's thread-locals and
-context variables are invisible, but an attribute on the parameter is not.
+The store is handed to the layers whose weight gradients it holds (`attach`, through megatron's adapter;
+undone by `detach`): a layer reaches its store through that hand-over, never through thread-local or global
+state, which autograd's CUDA backward thread would not see.
 """
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from ..schedules.schedule import ScheduleError
-
-STORE_ATTRIBUTE = "zero_bubble_wgrad_store"  # set on each weight Parameter whose W the store defers
 
 
 class DeferredWork(Protocol):
@@ -60,44 +58,24 @@ class WeightGradStore:
         self._queue: deque[tuple[int, list[DeferredWork]]] = deque()  # (microbatch, its work), oldest first
         self._final: set[int] = set()  # ids of the works that complete their weight's gradient
         self._weights: list[torch.nn.Parameter] = []
+        self._undo: list = []  # what handed the weights to this store, to undo on release
         self._pending_bytes = 0  # kept as work comes and goes: the executor reads it after every pass
 
     # -- ownership -----------------------------------------------------------------------------------
-    def attach(self, module: torch.nn.Module) -> int:
-        """Mark the weights of every tensor-parallel linear layer in `module`; returns how many.
-
-        Only megatron-core's own ColumnParallelLinear / RowParallelLinear (including the LM head) are
-        handled. Transformer Engine layers are not: TE has its own delay_wgrad_compute / backward_dw.
-        A layer without its own weight (an output layer that borrows the tied embedding weight) is left
-        alone, so its weight gradient is computed in B as megatron does.
-        """
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        marked = 0
-        for layer in module.modules():
-            if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
-                continue
-            weight = layer.weight
-            if weight is None or not weight.requires_grad:
-                continue
-            owner = getattr(weight, STORE_ATTRIBUTE, None)
-            if owner is not None and owner is not self:
-                raise ScheduleError(
-                    f"weight of {type(layer).__name__} is already attached to WeightGradStore "
-                    f"{owner.name!r}; a weight can belong to one model chunk only"
-                )
-            if owner is None:
-                setattr(weight, STORE_ATTRIBUTE, self)
-                self._weights.append(weight)
-                marked += 1
-        return marked
+    def attach(self, module: torch.nn.Module, megatron) -> int:
+        """Have the linear layers of `module` hand their weight gradients to this store; returns how many
+        weights. megatron: the adapter (patches/megatron_adapter.py), whose `split_linear_layers` knows which
+        layers megatron's and how to reroute them; `detach` undoes it."""
+        weights, undo = megatron.split_linear_layers(module, self)
+        self._weights.extend(weights)
+        self._undo.append(undo)
+        return len(weights)
 
     def detach(self) -> None:
-        """Unmark every weight `attach` marked; the layers behave as megatron's own again."""
+        """Give every attached weight back: the layers behave as megatron's own again."""
         self._require_idle("detach")
-        for weight in self._weights:
-            if getattr(weight, STORE_ATTRIBUTE, None) is self:
-                delattr(weight, STORE_ATTRIBUTE)
+        while self._undo:
+            self._undo.pop().restore()
         self._weights.clear()
 
     @property

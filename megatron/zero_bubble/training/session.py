@@ -1,12 +1,15 @@
 """One object for what a zero-bubble run installs into megatron-core, and takes out again.
 
-    with ZeroBubbleSession(pipeline, split_backward=True, v_stages=None, bucket_every_stage=False) as session:
-        ...  # megatron's get_forward_backward_func now hands out `pipeline`
-        session.attach_post_validation(controller, model)  # once the optimizer exists, if wanted
+    with ZeroBubbleSession(schedule_for=plans, v_stages=None, bucket_every_stage=False) as session:
+        ...  # megatron's get_forward_backward_func now hands out session.pipeline
+        session.start_post_validation(optimizer, model, exact=True)  # once the optimizer exists, if wanted
 
-Installed in this order (V placement first: it must be in place before megatron makes its process
-groups), removed in the reverse order, also when an install fails half way. `training/setup.py` builds
-one from the command line; tests build one around a PipelineExecutor of their own.
+The session builds what runs with what it needs, as constructor arguments: the adapter to megatron-core
+(patches/megatron_adapter.py, version-checked), then a PipelineExecutor for fixed plans (`schedule_for`) or a
+ReplanningPipeline that plans on rank 0, measures and re-plans (`plan_settings`, training). Installed in this
+order (V placement first: it must be in place before megatron makes its process groups), removed in the
+reverse order, also when an install fails half way. `training/setup.py` builds one from the command line;
+tests and tools build one around plans of their own.
 """
 from __future__ import annotations
 
@@ -16,28 +19,49 @@ from typing import Callable
 
 @dataclass
 class ZeroBubbleSession:
-    pipeline: object | None  # a PipelineExecutor or ReplanningPipeline; None: megatron's own schedule
-    split_backward: bool = False  # the linear layers' B/W split (schedules with W passes)
+    schedule_for: Callable | None = None  # m -> Schedule: fixed plans (tests, tools)
+    plan_settings: object = None  # runtime.replan.PlanSettings: plan, measure, re-plan (training)
     v_stages: int | None = None  # ZB-V: place the V-shaped layers for this many pipeline ranks
     bucket_every_stage: bool = False  # megatron DDP buckets every stage's gradients (overlapped reduction)
+    observer: Callable | None = None  # iteration.PassObserver of every pass (fixed plans)
+    current_iteration: Callable[[], int] | None = None  # megatron's iteration counter (re-planning)
+    log: Callable[[str], None] = print  # one line on rank 0 (re-planning)
+    pipeline: object = field(default=None, init=False)  # what get_forward_backward_func hands out; None: megatron's
+    megatron: object = field(default=None, init=False)  # the adapter, once installed
     _installed: list = field(default_factory=list, init=False, repr=False)
 
+    def __post_init__(self):
+        if self.schedule_for is not None and self.plan_settings is not None:
+            raise ValueError("ZeroBubbleSession: give schedule_for (fixed plans) or plan_settings (re-planning), not both")
+
     def install(self) -> "ZeroBubbleSession":
-        from ..patches import ddp_bucketing, linear_wgrad, schedule_selection, vshape_layout
+        from ..patches import ddp_bucketing, schedule_selection, vshape_layout
+        from ..patches.megatron_adapter import MegatronAdapter
 
         try:
             if self.v_stages is not None:
                 self._install(vshape_layout, self.v_stages)
-            if self.split_backward:
-                self._install(linear_wgrad)
             if self.bucket_every_stage:
                 self._install(ddp_bucketing)
+            self.megatron = MegatronAdapter()
+            self.pipeline = self._build_pipeline()
             if self.pipeline is not None:
                 self._install(schedule_selection, self.pipeline)
         except BaseException:
             self.close()
             raise
         return self
+
+    def _build_pipeline(self):
+        if self.schedule_for is not None:
+            from ..runtime.executor import PipelineExecutor
+
+            return PipelineExecutor(self.schedule_for, self.megatron, observer=self.observer)
+        if self.plan_settings is not None:
+            from ..runtime.replan import ReplanningPipeline
+
+            return ReplanningPipeline(self.plan_settings, self.current_iteration, self.megatron, log=self.log)
+        return None
 
     def on_optimizer_built(self, attach: Callable) -> None:
         """megatron.training: call `attach(model, optimizer, scheduler)` once setup_model_and_optimizer built
@@ -46,19 +70,23 @@ class ZeroBubbleSession:
 
         self._install(post_validation_training, attach)
 
-    def attach_post_validation(self, controller, model) -> None:
-        """The optimizer's step goes through `controller` (PostValidation); the executor runs its V passes."""
+    def start_post_validation(self, optimizer, model, **options):
+        """The optimizer's step goes through a PostValidation (options: exact, scheduler, layout, chunks); the
+        executor runs its S and V passes. Returns the controller."""
         from ..patches import optimizer_step
+        from ..runtime.post_validation import PostValidation
 
+        controller = PostValidation.for_optimizer(optimizer, self.megatron, **options)
         self._install(optimizer_step, controller, model)
-        self.executor.post_validation = controller
+        self.executor.attach_post_validation(controller)
+        return controller
 
     @property
     def executor(self):
         return getattr(self.pipeline, "executor", self.pipeline)
 
     def close(self) -> None:
-        """Everything installed, removed last-in first-out; the pipeline lets go of its buffers."""
+        """Everything installed, removed last-in first-out; the pipeline lets go of the layers and buffers."""
         if self.pipeline is not None:
             self.pipeline.release()
         while self._installed:

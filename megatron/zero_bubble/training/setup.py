@@ -51,6 +51,7 @@ def plan_settings(args, options: ZeroBubbleOptions):
         ilp_time_limit=options.ilp_time_limit, timers_start_iter=options.timers_start_iter,
         timers_end_iter=options.timers_end_iter, dump_dir=options.dump_dir, initial_costs=costs,
         post_validation=options.post_validation,
+        **({} if options.device_memory_share is None else {"device_memory_share": options.device_memory_share}),
     )
 
 
@@ -70,7 +71,6 @@ def _current_iteration() -> int:
 def _attach_post_validation(session, exact: bool, settings, model, optimizer, scheduler):
     """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
     from ..runtime import optimizer_rollback
-    from ..runtime.post_validation import PostValidation
 
     leaves = getattr(optimizer, "chained_optimizers", [optimizer])
     for torch_optimizer in (leaf.optimizer for leaf in leaves if getattr(leaf, "optimizer", None) is not None):
@@ -80,9 +80,8 @@ def _attach_post_validation(session, exact: bool, settings, model, optimizer, sc
             reason = "the in-place inverse of FusedAdam is not verified on a GPU yet; use --zero-bubble-exact-rollback"
         if reason is not None:
             arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
-    controller = PostValidation.for_optimizer(optimizer, exact=exact, scheduler=scheduler,
-                                              layout=layout_of(settings.schedule), chunks=settings.chunks)
-    session.attach_post_validation(controller, model)
+    controller = session.start_post_validation(optimizer, model, exact=exact, scheduler=scheduler,
+                                               layout=layout_of(settings.schedule), chunks=settings.chunks)
     _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
     return controller
 
@@ -94,12 +93,7 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     if options is None or not options.through_runtime:
         yield None
         return
-    from ..patches import linear_wgrad
-    from ..runtime.replan import ReplanningPipeline
-
     settings = plan_settings(args, options)
-    pipeline = ReplanningPipeline(settings, _current_iteration, log=_log_on_rank0,
-                                  split_backward_ready=linear_wgrad.installed)
     split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
     if split_backward and args.transformer_impl == "transformer_engine":
         _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
@@ -107,8 +101,8 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     v_stages = args.pipeline_model_parallel_size if layout_of(options.schedule) == "v" else None
     # Every stage ends with W passes whose buckets can start early (megatron buckets the first stage only).
     bucket_every_stage = split_backward and args.overlap_grad_reduce
-    with ZeroBubbleSession(pipeline, split_backward=split_backward, v_stages=v_stages,
-                           bucket_every_stage=bucket_every_stage) as session:
+    with ZeroBubbleSession(plan_settings=settings, current_iteration=_current_iteration, log=_log_on_rank0,
+                           v_stages=v_stages, bucket_every_stage=bucket_every_stage) as session:
         if options.post_validation:
             session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback, settings))
-        yield pipeline
+        yield session.pipeline

@@ -1,9 +1,10 @@
 """Rehearsal: the real executor, lowering and p2p transport with each pass replaced by a wait.
 
 One process per pipeline rank (gloo on this machine). Every rank runs the same per-iteration interpreter
-as training (`executor._Iteration.run` over the program `lower` produced and `check_lowering` proved),
-posts the same receives and sends through `PipelineTransport`, with payloads of a chosen size, but an F,
-B, W or BW pass only waits for its planned duration: a sleep to 0.3 ms before its end, then a spin to the
+as training (`runtime.iteration.Iteration` over the program `lower` produced and `check_lowering` proved),
+posts the same receives and sends through `PipelineTransport`, with payloads of a chosen size, but its
+compute passes (`RehearsalPasses`, the iteration's public PassCompute hook) only wait: an F,
+B, W or BW pass waits for its planned duration: a sleep to 0.3 ms before its end, then a spin to the
 end (sleep alone overshoots by about 0.2 ms here). Sleeping ranks cost no CPU, so p = 32 fits on two cores.
 
 What it shows: whether the runtime keeps the simulator's timeline. A receive posted late, a send that
@@ -23,7 +24,6 @@ waits for the last at the end of its backward, and `dp_exposed` reports how long
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import socket
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
+from ..runtime.iteration import Iteration, LoweredRun
+from ..runtime.p2p import PipelineTransport
+from ..runtime.wgrad_store import WeightGradStore
 from ..schedules.costs import Costs
-from ..schedules.ops import Kind, Op, facts
+from ..schedules.ops import Op, facts
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
-from .executor import PipelineExecutor, _Iteration
-from .p2p import PipelineTransport
-from .wgrad_store import WeightGradStore
 
 DEFAULT_MESSAGE_KIB = 64
 
@@ -155,93 +155,97 @@ class _DelayedTransport(PipelineTransport):
         super().post_recv(msg)
 
 
-@dataclass
-class _EmulatedIteration(_Iteration):
-    """The executor's iteration with megatron's forward/backward steps replaced by planned waits."""
+class RehearsalPasses:
+    """The compute passes of a rehearsal (iteration.PassCompute): each waits for its planned duration. With
+    data parallelism modelled, B, BW and W go piece by piece through the chunk's weights and the real
+    WeightGradStore, and the end of the backward waits for the modelled reduction."""
 
-    costs: Costs = None
-    unit_s: float = 1e-3
-    t0: float = 0.0
-    payload: torch.Tensor = None
-    record: list = field(default_factory=list)  # (op, mb, chunk, actual start, actual end) in units
-    reduction: _ModelledReduction | None = None  # data parallelism, when modelled
-    clock: _PassClock = field(default_factory=_PassClock)
+    forward_only = False
 
-    def _compute(self, p: Pass) -> None:
-        vs = self.schedule.virtual_stage(self.rank, p.chunk)
-        start = time.monotonic()
-        _sleep_until(start + duration(p, vs, self.costs) * self.unit_s)
-        self._record_pass(p, start)
+    def __init__(self, costs: Costs, unit_s: float, payload: torch.Tensor, reduction: "_ModelledReduction | None",
+                 record: "_Record", virtual_stage):
+        self.costs, self.unit_s, self.payload, self.reduction, self.record = costs, unit_s, payload, reduction, record
+        self.virtual_stage = virtual_stage  # chunk -> this rank's virtual stage
+        self.clock = _PassClock()
 
-    def forward(self, p: Pass) -> None:
-        vs = self.schedule.virtual_stage(self.rank, p.chunk)
-        if vs > 0:
-            self._incoming(p, Kind.ACT, vs)
-        self._compute(p)
-        self.saved[(p.mb, p.chunk)] = None
-        if vs < self.last_vstage:
-            self._outgoing(p, Kind.ACT, self.payload, vs + 1)
+    def _wait(self, p: Pass, vstage: int) -> None:
+        _sleep_until(time.monotonic() + duration(p, vstage, self.costs) * self.unit_s)
 
-    def backward(self, p: Pass) -> None:
-        vs = self.schedule.virtual_stage(self.rank, p.chunk)
-        self.saved.pop((p.mb, p.chunk))
-        if vs < self.last_vstage:
-            self._incoming(p, Kind.GRAD, vs)
+    def forward(self, p: Pass, vstage: int, input_tensor, is_last_stage: bool):
+        self._wait(p, vstage)
+        return self.payload
+
+    def backward(self, p: Pass, vstage: int, input_tensor, output, output_grad, store: WeightGradStore,
+                 last: bool):
         if self.reduction is None:
-            self._compute(p)
-        else:
-            self._backward_by_layer(p, vs)
-        if vs > 0:
-            self._outgoing(p, Kind.GRAD, self.payload, vs - 1)
-
-    def _backward_by_layer(self, p: Pass, vs: int) -> None:
-        """B or BW piece by piece through the chunk's weights, their W work going through the real store."""
-        start = self.clock.start()
-        store, last = self.stores[p.chunk], p == self.last_backward[p.chunk]
+            self._wait(p, vstage)
+            return self.payload
         weights = self.reduction.weights[p.chunk]
-        t_b, t_w = self.costs.t_b[vs] * self.unit_s / len(weights), self.costs.t_w[vs] * self.unit_s / len(weights)
+        t_b, t_w = (self.costs.t_b[vstage] * self.unit_s / len(weights),
+                    self.costs.t_w[vstage] * self.unit_s / len(weights))
+        self.clock.start()
         with store.split_backward() if p.op == Op.B else store.fused_backward(last):
             for weight in weights:
                 self.clock.wait(t_b)
                 store.hand_over(_WaitWork(weight, t_w, self.clock))
         if p.op == Op.B:
             store.close_microbatch(p.mb, last=last)
-        self._record_pass(p, start)
+        return self.payload
 
-    def weight(self, p: Pass) -> None:
+    def weight(self, p: Pass, store: WeightGradStore) -> None:
         if self.reduction is None:
-            self._compute(p)
+            self._wait(p, self.virtual_stage(p.chunk))
             return
-        start = self.clock.start()
-        self.stores[p.chunk].run_next(p.mb)
-        self._record_pass(p, start)
-
-    def _record_pass(self, p: Pass, start: float) -> None:
-        self.record.append((p.op, p.mb, p.chunk, (start - self.t0) / self.unit_s,
-                            (time.monotonic() - self.t0) / self.unit_s))
+        self.clock.start()
+        store.run_next(p.mb)
 
     def finish_backward(self) -> None:
         """The data-parallel reduction, when modelled: the rank waits for its last bucket."""
-        if self.reduction is None or self.backward_finished:
+        if self.reduction is None:
             return
-        self.backward_finished = True
-        last_pass = max(entry[4] for entry in self.record if entry[0] != "step")
-        done = (self.reduction.finish() - self.t0) / self.unit_s
-        self.record.append(("dp", 0, 0, last_pass, done))
+        done = self.reduction.finish()
+        self.record.reduction(done)
 
-    def validate_step(self, p: Pass) -> bool:
-        replay = super().validate_step(p)
-        self._record_pass(p, time.monotonic())  # takes no time of its own
-        return replay
+    def release_output(self, output) -> None:
+        pass
 
-    def step_statistics(self, p: Pass) -> None:
-        super().step_statistics(p)
-        self._record_pass(p, time.monotonic())
+    def restart(self) -> None:
+        pass
+
+    def loss_scale_changed(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Record:
+    """A rank's passes as (op, mb, chunk, start, end) in schedule units from the common start t0 (the observer
+    of its iterations), its optimizer steps ("step") and its modelled reduction ("dp")."""
+
+    def __init__(self, t0: float, unit_s: float):
+        self.t0, self.unit_s, self.entries = t0, unit_s, []
+
+    def _units(self, t: float) -> float:
+        return (t - self.t0) / self.unit_s
+
+    def __call__(self, p: Pass, start: float, end: float) -> None:
+        if not facts(p.op).takes_time:
+            start = end  # a post-validation pass takes no time of its own; what it waited for is not its
+        self.entries.append((p.op, p.mb, p.chunk, self._units(start), self._units(end)))
+
+    def reduction(self, done: float) -> None:
+        last_pass = max(entry[4] for entry in self.entries if entry[0] != "step")
+        self.entries.append(("dp", 0, 0, last_pass, self._units(done)))
+
+    def step(self, step: int) -> None:
+        now = self._units(time.monotonic())
+        self.entries.append(("step", step, 0, now, now))
 
 
 @dataclass
 class _ModelledValidation:
-    """Post-validation's summaries travel as in training; the step never needs a rollback (executor.StepValidation)."""
+    """Post-validation's summaries travel as in training; the step never needs a rollback (iteration.StepValidation)."""
 
     size: int = 2
     has_pending: bool = False
@@ -288,52 +292,45 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         schedule = Schedule.from_json(schedule_json)
-        executor = PipelineExecutor(lambda m: schedule, post_validation=_ModelledValidation())
-        run, program, _ = executor._program(schedule, rank, forward_only=False)  # the lowering training runs
+        lowered = LoweredRun.of(schedule)  # the lowering training runs
+        validation = _ModelledValidation()
         group = dist.group.WORLD
         numel = max(1, int(options.message_kib * 1024 // 4))
         delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
         transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"),
-                                   validation_numel=executor.post_validation.size, **extra)
+                                   validation_numel=validation.size, **extra)
         unit_s = options.unit_ms / 1e3
-        reduction, stores = None, []
+        reduction, ready = None, None
         if options.data_parallel is not None:
             reduction = _ModelledReduction(options.data_parallel, rank, schedule.chunks, unit_s,
                                            schedule.uses_split_backward())
-            stores = [WeightGradStore(f"chunk {k}", grad_ready=reduction.ready if options.data_parallel.overlap else None)
-                      for k in range(schedule.chunks)]
+            ready = reduction.ready if options.data_parallel.overlap else None
+        stores = [WeightGradStore(f"chunk {k}", grad_ready=ready) for k in range(schedule.chunks)]
         # Everyone starts at one agreed instant (CLOCK_MONOTONIC is shared by the processes of a machine).
         start = torch.tensor([time.monotonic() + 0.2 + 0.01 * world], dtype=torch.float64)
         dist.broadcast(start, src=0)
-        iteration = _EmulatedIteration(
-            executor=executor, mcore=None, schedule=run, rank=rank, chunks=[None] * schedule.chunks,
-            iterators=[None] * schedule.chunks, config=None, forward_step_func=None,
-            num_microbatches=schedule.microbatches, cp_size=1, forward_only=False, collect_non_loss_data=False,
-            first_val_step=None, transport=transport, device=torch.device("cpu"), stores=stores,
-            costs=costs, unit_s=unit_s, t0=float(start.item()), payload=torch.zeros(numel, dtype=torch.float32),
-            reduction=reduction,
-        )
-        _sleep_until(iteration.t0)
+        record = _Record(float(start.item()), unit_s)
+        compute = RehearsalPasses(costs, unit_s, torch.zeros(numel, dtype=torch.float32), reduction, record,
+                                  lambda chunk: schedule.virtual_stage(rank, chunk))
+        _sleep_until(record.t0)
         synchronous = not schedule.has_post_validation()
         flag = torch.zeros(1)
         for step in range(options.iterations):
-            if step:  # a fresh iteration state, the same transport, clock and record
-                iteration = dataclasses.replace(iteration, saved={}, outgoing={}, handoff={}, received={}, started_chunks=set(),
-                                                backward_finished=False)
-                if reduction is not None:
-                    reduction.reset()
-            iteration.run(program)
+            if reduction is not None and step:
+                reduction.reset()
+            iteration = Iteration(schedule=lowered.schedule, rank=rank, compute=compute, transport=transport,
+                                  stores=stores, validation=validation, observer=record, clock=time.monotonic)
+            iteration.run(lowered.programs[rank])
             iteration.finish_backward()
             if options.iterations > 1:
                 if synchronous:
                     dist.all_reduce(flag, group=group)  # the grad-norm / inf check every rank waits for
-                    _wait(options.allreduce * iteration.unit_s)
-                _wait(options.optimizer_step * iteration.unit_s)
-                now = (time.monotonic() - iteration.t0) / iteration.unit_s
-                iteration.record.append(("step", step, 0, now, now))
-        torch.save(iteration.record, os.path.join(result_dir, f"rank{rank}.pt"))
+                    _wait(options.allreduce * unit_s)
+                _wait(options.optimizer_step * unit_s)
+                record.step(step)
+        torch.save(record.entries, os.path.join(result_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,218 @@
+"""Everything the runtime uses of megatron-core, in one object: `MegatronAdapter` (checked for 0.19.x).
+
+The runtime (`runtime/`) imports nothing of megatron: the session builds one adapter and hands it to the
+executor, the re-planning pipeline and the post-validation controller as a constructor argument. Building it
+checks the installed megatron-core version and that every function and method the adapter calls exists, so
+a release that moved one fails at start-up with one line naming it, not deep inside a training step.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ._patching import PatchError, check_megatron_core_version, megatron_core_version
+
+# (module, names) the adapter calls; checked when it is built
+_REQUIRED = {
+    "megatron.core.pipeline_parallel.schedules": (
+        "forward_step", "backward_step", "check_first_val_step", "deallocate_output_tensor", "get_tensor_shapes",
+        "_build_default_pg_collection", "_get_moe_loss_scale"),
+    "megatron.core.tensor_parallel.random": ("get_cuda_rng_tracker",),
+    "megatron.core.tensor_parallel.layers": ("ColumnParallelLinear", "RowParallelLinear"),
+    "megatron.core.optimizer.clip_grads": ("multi_tensor_applier", "l2_norm_impl", "clip_grad_by_total_norm_fp32"),
+    "megatron.core.utils": ("get_model_config",),
+    "megatron.core.parallel_state": (
+        "get_pipeline_model_parallel_group", "get_tensor_model_parallel_group",
+        "get_tensor_and_data_parallel_group", "get_expert_tensor_and_model_parallel_group"),
+    "megatron.core.transformer.moe.moe_logging": ("get_moe_metrics_tracker",),
+    "megatron.core.transformer.moe.router": ("MoEAuxLossAutoScaler",),
+}
+
+# What an MoE router's training forward adds to, and megatron zeroes after the iteration's last backward
+# (finalize_model_grads: reset_model_temporary_tensors): tokens per expert for the expert-bias update, the
+# global aux loss's tokens and steps, quantile balancing's per-microbatch quantiles.
+ROUTER_ACCUMULATORS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps", "qb_beta_accum",
+                       "qb_beta_count")
+
+
+def _modules() -> SimpleNamespace:
+    import importlib
+
+    loaded = {}
+    for path, names in _REQUIRED.items():
+        module = importlib.import_module(path)
+        missing = [name for name in names if not hasattr(module, name)]
+        if missing:
+            raise PatchError(f"megatron-core {megatron_core_version()}: {path} has no {', '.join(missing)}; the "
+                             f"zero-bubble runtime was written for 0.19.x")
+        loaded[path.rsplit(".", 1)[1]] = module
+    return SimpleNamespace(**loaded)
+
+
+class MegatronAdapter:
+    """megatron-core as the runtime sees it (see the module docstring)."""
+
+    def __init__(self):
+        check_megatron_core_version()
+        self._m = _modules()
+
+    # -- one pipeline pass, as megatron's own schedules run it ------------------------------------------
+    def model_config(self, chunk):
+        return self._m.utils.get_model_config(chunk)
+
+    def default_pg_collection(self):
+        """The process groups megatron's pipeline schedules use when the caller passes none."""
+        return self._m.schedules._build_default_pg_collection()
+
+    def pipeline_tensor_shape(self, config, pg_collection, seq_length: int, micro_batch_size: int,
+                              decoder_seq_length: int | None = None) -> tuple[int, ...]:
+        """The shape of the activations and gradients that travel between stages, as megatron makes it."""
+        return tuple(self._m.schedules.get_tensor_shapes(
+            seq_length=seq_length, micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
+            config=config, tp_group=pg_collection.tp, cp_group=pg_collection.cp,
+        )[0])
+
+    def forward_step(self, run, chunk: int, microbatch: int, input_tensor, first_of_chunk: bool,
+                     is_last_stage: bool):
+        """megatron's forward_step for one microbatch of one chunk; `run` holds the call's arguments
+        (megatron_passes.MegatronRun). Returns (output, number of tokens)."""
+        schedules = self._m.schedules
+        return schedules.forward_step(
+            run.forward_step_func, run.iterators[chunk], run.chunks[chunk], run.num_microbatches, input_tensor,
+            run.forward_data_store, run.config, cp_group_size=run.cp_size,
+            collect_non_loss_data=run.collect_non_loss_data,
+            is_first_microbatch=schedules.check_first_val_step(run.first_val_step, run.forward_only, first_of_chunk),
+            current_microbatch=microbatch, vp_stage=chunk if len(run.chunks) > 1 else None,
+            is_last_stage=is_last_stage,
+        )
+
+    def backward_step(self, input_tensor, output, output_grad, config):
+        return self._m.schedules.backward_step(input_tensor, output, output_grad, config)
+
+    def free_output(self, output, config) -> None:
+        """What megatron does to a stage's output once it has been sent (keeps its grad_fn, drops the data)."""
+        self._m.schedules.deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+
+    # -- megatron DDP and MoE ----------------------------------------------------------------------------
+    @staticmethod
+    def grad_ready_hook(model_chunk):
+        """For a megatron DistributedDataParallel chunk, `ready(param)`: what DDP's per-parameter hook does with
+        a gradient accumulated into main_grad under overlap_grad_reduce, for gradients the W passes accumulate:
+        register the parameter with its bucket group (`register_grad_ready`, counted once megatron's no_sync is
+        left), which starts the group's reduction once all its parameters are in. None for anything else."""
+        groups = getattr(model_chunk, "param_to_bucket_group", None)
+        if groups is None:
+            return None
+
+        def ready(param) -> None:
+            group = groups.get(param)
+            if group is not None:
+                group.register_grad_ready(param, getattr(model_chunk, "force_all_reduce", False))
+
+        return ready
+
+    def forward_accumulators(self, model_chunks):
+        """What megatron's training forward passes accumulate into (MoE routers' running counts and the MoE
+        metrics tracker's per-layer losses), kept as it is now; returns `restore()`, which puts it back
+        (replay.Rewind). A metric the tracker starts after this call is zeroed: its entry would have been made
+        from zeros."""
+        import torch
+
+        kept = [(tensor, tensor.clone()) for chunk in model_chunks for module in chunk.modules()
+                for name in ROUTER_ACCUMULATORS if torch.is_tensor(tensor := getattr(module, name, None))]
+        tracker = self._m.moe_logging.get_moe_metrics_tracker()
+        metrics = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
+
+        def restore() -> None:
+            for tensor, value in kept:
+                tensor.copy_(value)
+            for name, entry in tracker.metrics.items():
+                if name in metrics:
+                    entry.values.copy_(metrics[name])
+                else:
+                    entry.values.zero_()
+
+        return restore
+
+    def reset_forward_loss_scales(self, config, num_microbatches: int, cp_size: int) -> None:
+        """Set again what megatron's forward_step hands from the loss scale to the backward passes that follow
+        it: the MoE auxiliary losses' gradient scale (MoEAuxLossAutoScaler, a class attribute each forward sets
+        from config.grad_scale_func). Post-validation may change the loss scale between a forward and those."""
+        if getattr(config, "num_moe_experts", None) is None:
+            return
+        scale = self._m.schedules._get_moe_loss_scale(config, _device())
+        self._m.router.MoEAuxLossAutoScaler.set_loss_scale(
+            scale if config.calculate_per_token_loss else scale * cp_size / num_microbatches)
+
+    # -- random state (an exact replay draws the same dropout masks) --------------------------------------
+    def rng_tracker_states(self) -> dict:
+        return {name: s.clone() for name, s in self._m.random.get_cuda_rng_tracker().get_states().items()}
+
+    def set_rng_tracker_states(self, states: dict) -> None:
+        self._m.random.get_cuda_rng_tracker().set_states({name: s.clone() for name, s in states.items()})
+
+    # -- the B/W split of megatron's own linear layers (linear_wgrad.py) ---------------------------------
+    def split_linear_layers(self, module, store):
+        """Hand `store` to every tensor-parallel linear layer of `module` that owns a trainable weight, so that
+        its weight gradient goes to the store; returns (weights, undo) (linear_wgrad.split_layers)."""
+        from . import linear_wgrad
+
+        layer_types = (self._m.layers.ColumnParallelLinear, self._m.layers.RowParallelLinear)
+        return linear_wgrad.split_layers(module, store, layer_types)
+
+    # -- the optimizer step, kept stage-local (post-validation) ------------------------------------------
+    @staticmethod
+    def has_main_params(optimizer) -> bool:
+        """Whether a leaf optimizer keeps fp32 main params apart from the model's (fp16 / bf16 training)."""
+        return hasattr(optimizer, "_copy_model_grads_to_main_grads")
+
+    @staticmethod
+    def copy_model_grads_to_main_grads(optimizer) -> None:
+        _require(optimizer, "_copy_model_grads_to_main_grads")()
+
+    @staticmethod
+    def main_grads_for_unscaling(optimizer) -> list:
+        """The main gradients megatron checks for inf/NaN and unscales, as its prepare_grads collects them."""
+        return _require(optimizer, "_collect_main_grad_data_for_unscaling")()
+
+    @staticmethod
+    def copy_main_params_to_model_params(optimizer) -> None:
+        """After the main params changed outside a step (a rollback): the model's copies follow (no-op in fp32)."""
+        method = getattr(optimizer, "_copy_main_params_to_model_params", None)
+        if method is not None:
+            method()
+
+    def squared_grad_norm(self, grads: list, device):
+        """The sum of squares of `grads` as megatron's get_grad_norm_fp32 computes it before reducing."""
+        import torch
+
+        clip_grads = self._m.clip_grads
+        overflow = torch.zeros(1, dtype=torch.int, device=device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+        return (norm**2.0).reshape(()).float()
+
+    def clip_by_total_norm(self, params: list, max_norm: float, total_norm: float) -> None:
+        self._m.clip_grads.clip_grad_by_total_norm_fp32(params, max_norm, total_norm)
+
+    def statistics_groups(self) -> SimpleNamespace:
+        """The process groups post-validation reduces statistics in: this rank's pipeline group, the ranks of
+        its stage (tensor x data parallel, context parallel included), and in-stage groups that may hold the
+        part of a leaf's statistics group lying in this stage (step_statistics.blocks_for)."""
+        ps = self._m.parallel_state
+        stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        return SimpleNamespace(pipeline=ps.get_pipeline_model_parallel_group(), stage=stage,
+                               in_stage=[ps.get_tensor_model_parallel_group,
+                                         ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
+
+
+def _require(owner, name: str):
+    method = getattr(owner, name, None)
+    if method is None:
+        raise PatchError(f"megatron-core {megatron_core_version()}: {type(owner).__name__} has no {name}; the "
+                         f"zero-bubble runtime was written for 0.19.x")
+    return method
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,321 @@
+"""One forward-backward call of one pipeline rank: walk its lowered program, move the tensors between passes.
+
+An `Iteration` never decides order: it runs the items of the program `lower` produced and `check_lowering`
+proved (compute passes, and the sends and receives between them), waits for each pass's input before the
+pass's clock starts, and hands each compute pass to a `PassCompute`, the public hook that says what F, B, BW
+and W do: `megatron_passes.MegatronPasses` runs megatron's forward_step / backward_step (training), the
+rehearsal (tools/rehearsal.py) waits for the planned duration. An observer, when given, sees every pass with
+its start and end (profiling, tests, the rehearsal's record); replayed passes are not shown to it.
+
+With optimizer post-validation, the S pass after the rank's last pass adds its gradient statistics to the
+partial sums of the step, and the V pass validates the previous step and, when that step had to be redone,
+replays this rank's passes from the start; the iteration reaches the controller through `StepValidation`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
+from ..schedules.costs import Costs
+from ..schedules.ops import Kind, Op
+from ..schedules.post_validation import check_rollback, rollback_programs
+from ..schedules.schedule import Pass, Schedule, ScheduleError
+from .p2p import PipelineTransport
+from .replay import Rewind
+from .wgrad_store import WeightGradStore
+
+
+class StepValidation(Protocol):
+    """What an iteration needs of optimizer post-validation (post_validation.PostValidation)."""
+
+    size: int  # elements of the summaries that the S and V passes send
+    has_pending: bool  # a speculative step waits for its validation
+
+    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
+        """S: this rank's gradient statistics added to the partial sums (None: first of the chain)."""
+
+    def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
+
+    def settle(self) -> bool:
+        """Apply the verdict of the last V (once the sums went on); False (a no-op) when there is none."""
+
+    def flush(self) -> None:
+        """Validate a pending step outside an iteration (every rank at the same point)."""
+
+
+class PassCompute(Protocol):
+    """What the compute passes of one iteration do (see the module docstring)."""
+
+    forward_only: bool
+
+    def forward(self, p: Pass, vstage: int, input_tensor, is_last_stage: bool):
+        """F: returns the output (sent on, unless this is the last virtual stage)."""
+
+    def release_output(self, output) -> None:
+        """An F's output was sent (or is not needed): free what it holds that backward does not need."""
+
+    def backward(self, p: Pass, vstage: int, input_tensor, output, output_grad, store: WeightGradStore,
+                 last: bool):
+        """B (W deferred into `store`) or BW; `last`: the chunk's last backward. Returns the input's gradient."""
+
+    def weight(self, p: Pass, store: WeightGradStore) -> None:
+        """W: the store's oldest deferred microbatch, which must be p.mb."""
+
+    def finish_backward(self) -> None:
+        """After the rank's last backward pass: reduce the gradients (once, before S or at the end)."""
+
+    def restart(self) -> None:
+        """A replay starts the iteration over: forget what the passes so far handed megatron."""
+
+    def loss_scale_changed(self) -> None:
+        """A validation moved the loss scale after forward passes handed the old one on."""
+
+    def synchronize(self) -> None:
+        """Wait for the device, so that a pass's clock reads its compute (observed passes only)."""
+
+
+PassObserver = Callable[[Pass, float, float], None]  # (pass, start, end), times of the iteration's clock
+
+
+@dataclass
+class IterationStats:
+    """What one iteration held, to check the planner's memory model against reality."""
+
+    peak_activations: int = 0  # (microbatch, chunk) pairs whose F ran and whose B has not
+    peak_in_flight: int = 0  # pairs whose F ran and whose W (or BW) has not
+    peak_wgrad_bytes: int = 0  # bytes kept for deferred W (inputs and output gradients of linear layers)
+
+
+@dataclass(frozen=True)
+class LoweredRun:
+    """A schedule as one call runs it: the passes (F only for evaluation), every rank's program and, with a V
+    pass, every rank's rollback program."""
+
+    schedule: Schedule
+    programs: list
+    rollbacks: list | None
+
+    @classmethod
+    def of(cls, schedule: Schedule, forward_only: bool = False) -> LoweredRun:
+        """Lowered and checked once: what runs is exactly what was checked. Messages are ordered by the
+        schedule's own costs when it carries them (the plan was checked on those)."""
+        run = forward_only_schedule(schedule) if forward_only else schedule
+        costs = Costs.from_dict(schedule.info["costs"]) if "costs" in schedule.info else None
+        programs = lower(run, costs)
+        check_lowering(run, programs)
+        rollbacks = None
+        if run.has_post_validation():
+            check_rollback(run, programs)
+            rollbacks = rollback_programs(run, programs)
+        return cls(run, programs, rollbacks)
+
+    def rollback(self, rank: int):
+        return self.rollbacks[rank] if self.rollbacks else None
+
+
+def forward_only_schedule(schedule: Schedule) -> Schedule:
+    """The same schedule with only its F passes (evaluation; no V: a pending step is validated before)."""
+    ranks = [[p for p in passes if p.op == Op.F] for passes in schedule.ranks]
+    return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
+
+
+@dataclass
+class Iteration:
+    """The state of one forward-backward call of one rank: tensors in flight between its passes."""
+
+    schedule: Schedule  # what runs (LoweredRun.schedule)
+    rank: int
+    compute: PassCompute
+    transport: PipelineTransport
+    stores: list[WeightGradStore]  # one per chunk
+    validation: StepValidation | None = None
+    rollback: object = None  # this rank's RollbackProgram when the schedule has a V pass
+    rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
+    observer: PassObserver | None = None
+    clock: Callable[[], float] = time.perf_counter
+    backward_finished: bool = False
+    replaying: bool = False
+    saved: dict = field(default_factory=dict)  # (mb, chunk) -> (input, output) kept for B
+    outgoing: dict = field(default_factory=dict)  # Message -> (tensor, on_done) for the next Send
+    handoff: dict = field(default_factory=dict)  # tensors crossing between two chunks of this rank (a V's turn)
+    received: dict = field(default_factory=dict)  # Message -> tensor, waited for before its pass (_await_inputs)
+    in_flight: int = 0
+    stats: IterationStats = field(default_factory=IterationStats)
+
+    def __post_init__(self):
+        self.last_vstage = self.schedule.num_virtual_stages - 1
+        # each chunk's last backward pass: megatron's gradient sync for the chunk starts right before it
+        self.last_backward = {p.chunk: p for p in self.schedule.ranks[self.rank] if p.op in (Op.B, Op.BW)}
+        self._compute_pass = {Op.F: self.forward, Op.B: self.backward, Op.BW: self.backward, Op.W: self.weight}
+
+    def run(self, program: list) -> None:
+        settle = self.settle
+        for item in program:
+            if isinstance(item, Recv):
+                self.transport.post_recv(item.msg)
+            elif isinstance(item, Send):
+                tensor, on_done = self.outgoing.pop(item.msg)
+                self.transport.post_send(item.msg, tensor, on_done)
+                settle()  # right after V's result went on (a no-op after other sends)
+            elif item.op == Op.V:
+                if self._observed(item, self.validate_step):
+                    self.replay()
+                    return
+            elif item.op == Op.S:
+                self._observed(item, self.step_statistics)
+            else:
+                settle()  # no pass may run on weights that are not validated yet
+                self.transport.reap_sends()
+                self._await_inputs(item)
+                self._observed(item, self._compute_pass[item.op], synchronize=True)
+                self._account()
+        settle()
+        self.transport.finish()
+        for store in self.stores:
+            if store.pending_count:
+                raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
+
+    def _observed(self, p: Pass, run: Callable, synchronize: bool = False):
+        observer = None if self.replaying else self.observer
+        if observer is None:
+            return run(p)
+        if synchronize:
+            self.compute.synchronize()
+        start = self.clock()
+        result = run(p)
+        if synchronize:
+            self.compute.synchronize()
+        observer(p, start, self.clock())
+        return result
+
+    def finish_backward(self) -> None:
+        """Reduce the gradients, once: before S, whose statistics need them reduced, or at the end."""
+        if self.compute.forward_only or self.backward_finished:
+            return
+        self.backward_finished = True
+        self.compute.finish_backward()
+
+    # -- the post-validation passes (post_validation.py) -----------------------------------------------
+    def _summary_link(self, p: Pass) -> tuple[torch.Tensor | None, object]:
+        """What a once-per-rank pass receives (None: it is first of its chain) and the message it sends on
+        (None: it is last)."""
+        need = consumed(self.schedule, self.rank, p)
+        incoming = self.transport.wait_recv(need) if need is not None else None
+        return incoming, produced(self.schedule, self.rank, p)
+
+    def step_statistics(self, p: Pass) -> None:
+        """S: after the gradients are reduced, add this rank's statistics to the step's partial sums."""
+        self.finish_backward()
+        partial, out = self._summary_link(p)
+        sums = self.validation.statistics(partial, final=out is None)
+        if out is not None:
+            self.outgoing[out] = (sums, None)
+
+    def validate_step(self, p: Pass) -> bool:
+        """V: receive the previous step's full sums and pass them on; True when this iteration must replay what
+        it ran so far. The verdict is settled after the sums went on (or at once when this rank is last)."""
+        result, out = self._summary_link(p)
+        summary, replay = self.validation.receive_result(result)
+        if out is not None:
+            self.outgoing[out] = (summary, None)
+        else:
+            self.settle()
+        return replay
+
+    def settle(self) -> None:
+        """Apply a verdict that waits. It may move the loss scale, which the forward passes before V already
+        handed on (MoE auxiliary losses) for the backward passes that follow: the compute hands on the new one."""
+        if self.validation is not None and self.validation.settle():
+            self.compute.loss_scale_changed()
+
+    def replay(self) -> None:
+        """The step was redone, so what ran before V used wrong weights: drain the stale messages, start over."""
+        if self.rewind is None:
+            raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
+        settle = self.settle
+        for item in self.rollback.after_validation:
+            if isinstance(item, Send):
+                tensor, on_done = self.outgoing.pop(item.msg)
+                self.transport.post_send(item.msg, tensor, on_done)
+                settle()
+            else:  # a message its sender computed before its own V: received and dropped
+                self.transport.post_recv(item.msg)
+                self.transport.wait_recv(item.msg)
+        settle()
+        self.transport.reap_sends(block=True)
+        for held in (self.outgoing, self.saved, self.handoff, self.received):
+            held.clear()
+        self.compute.restart()
+        self.in_flight = 0
+        self.rewind.rewind()
+        self.replaying = True  # replayed passes would skew measured costs
+        try:
+            self.run(self.rollback.restart)
+        finally:
+            self.replaying = False
+
+    def _account(self) -> None:
+        s = self.stats
+        s.peak_activations = max(s.peak_activations, len(self.saved))
+        s.peak_in_flight = max(s.peak_in_flight, self.in_flight)
+        s.peak_wgrad_bytes = max(s.peak_wgrad_bytes, sum(st.pending_bytes for st in self.stores))
+
+    # -- messages --------------------------------------------------------------------------------------
+    def _await_inputs(self, p: Pass) -> None:
+        """Wait, before the pass's clock starts (measured costs are its compute alone), for the message it
+        consumes and, for a backward, for the send of its forward's output (freed before megatron's backward)."""
+        need = consumed(self.schedule, self.rank, p)
+        if need is not None:
+            self.received[need] = self.transport.wait_recv(need)
+        if p.op in (Op.B, Op.BW):
+            sent = produced(self.schedule, self.rank, Pass(Op.F, p.mb, p.chunk))
+            if sent is not None:
+                self.transport.complete_send(sent)
+
+    def _incoming(self, p: Pass, kind: str, vstage: int):
+        need = consumed(self.schedule, self.rank, p)
+        return self.received.pop(need) if need is not None else self.handoff.pop((kind, p.mb, vstage))
+
+    def _outgoing(self, p: Pass, kind: str, tensor, to_vstage: int, on_done=None) -> None:
+        msg = produced(self.schedule, self.rank, p)
+        if msg is not None:
+            self.outgoing[msg] = (tensor, on_done)
+        else:  # the next stage is on this rank: hand over a fresh leaf, as a receive would
+            self.handoff[(kind, p.mb, to_vstage)] = tensor.detach().requires_grad_()
+            if on_done is not None:
+                on_done()
+
+    # -- the compute passes ----------------------------------------------------------------------------
+    def forward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        input_tensor = None if vs == 0 else self._incoming(p, Kind.ACT, vs)
+        output = self.compute.forward(p, vs, input_tensor, is_last_stage=vs == self.last_vstage)
+        free = None
+        if not self.compute.forward_only:
+            self.saved[(p.mb, p.chunk)] = (input_tensor, output)
+            self.in_flight += 1
+            free = lambda: self.compute.release_output(output)
+        if vs < self.last_vstage:
+            self._outgoing(p, Kind.ACT, output, vs + 1, on_done=free)
+        elif free is not None:
+            free()
+
+    def backward(self, p: Pass) -> None:
+        vs = self.schedule.virtual_stage(self.rank, p.chunk)
+        input_tensor, output = self.saved.pop((p.mb, p.chunk))
+        output_grad = None if vs == self.last_vstage else self._incoming(p, Kind.GRAD, vs)
+        last = p == self.last_backward[p.chunk]
+        input_grad = self.compute.backward(p, vs, input_tensor, output, output_grad, self.stores[p.chunk], last)
+        if p.op == Op.BW:
+            self.in_flight -= 1
+        if vs > 0:
+            self._outgoing(p, Kind.GRAD, input_grad, vs - 1)
+
+    def weight(self, p: Pass) -> None:
+        self.compute.weight(p, self.stores[p.chunk])
+        self.in_flight -= 1

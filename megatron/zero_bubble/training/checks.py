@@ -1,0 +1,429 @@
+"""The start-up checks that refuse what cannot work, with one line naming the flag and the fix.
+
+`check(args, argv)` runs on the parsed command line (before megatron validates it) and returns the
+`ZeroBubbleOptions` of the run, None for megatron's own schedule; every refusal is a `StartupRefusal`.
+`check_flags` and `check_paths`/`check_input_files` need no megatron and also run before its import (early.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass
+
+from ..schedules.planners import PlanRequest, conflicting_options, layout_of, natural_chunks, plan
+from ..schedules.schedule import ScheduleError
+from ..schedules.vbudget import mem_setup_limit
+from .flags import (DEFAULT_TIMERS, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
+                    cuda_available)
+
+# Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
+RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedule_mem_setup",
+                      "zero_bubble_adaptive_memory_limit_percentile",
+                      "zero_bubble_pipeline_timers_start_iter",
+                      "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
+
+
+@dataclass(frozen=True)
+class ZeroBubbleOptions:
+    """What the zero-bubble flags ask for, after the start-up checks."""
+
+    schedule: str | None  # None: megatron's own schedule, untouched
+    through_runtime: bool  # run the schedule with the zero-bubble PipelineExecutor
+    memory_limit: float | None  # in-flight microbatches (p = ZB-1p, 2p = ZB-2p); None: auto
+    timers_start_iter: int
+    timers_end_iter: int
+    dump_dir: str | None
+    ilp_time_limit: float
+    post_validation: bool = False  # speculative optimizer step, validated in the next iteration's V pass
+    exact_rollback: bool = False
+    device_memory_share: float | None = None  # of the free device memory for the automatic limit; None: default
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def given(argv: list[str], flag: str) -> bool:
+    """Whether the command line `argv` names `flag` itself (not just its default)."""
+    return any(word == flag or word.startswith(flag + "=") for word in argv)
+
+
+def chosen_schedule(args) -> tuple[str | None, str | None]:
+    """(schedule, the flag that asked for it), or (None, None) for megatron's own; refuses conflicting flags."""
+    for flag, (_, why) in UNSUPPORTED_FLAGS.items():
+        if getattr(args, _dest(flag)) not in (None, False):
+            raise StartupRefusal(f"{flag}: {why}")
+    asked = []
+    if args.pipeline_schedule is not None:
+        asked.append(("--pipeline-schedule " + args.pipeline_schedule, args.pipeline_schedule))
+    asked += [(flag, name) for flag, name in SCHEDULE_ALIASES.items() if getattr(args, _dest(flag))]
+    if args.enable_zero_bubble:
+        asked.append(("--enable-zero-bubble", "zb-auto"))
+    if args.zero_bubble_v_schedule:
+        asked.append(("--zero-bubble-v-schedule", "zb-v"))
+    if len({name for _, name in asked}) > 1:
+        flags = " and ".join(flag for flag, _ in asked)
+        raise StartupRefusal(f"{flags} ask for different pipeline schedules; keep one of them")
+    if asked:
+        flag, name = asked[0]
+        return name, flag
+    if args.enable_zb_runtime:
+        return ("interleaved-1f1b" if _virtual_stages(args) else "1f1b"), "--enable-zb-runtime"
+    return None, None
+
+
+def _virtual_stages(args) -> int | None:
+    if args.num_virtual_stages_per_pipeline_rank is not None:
+        return args.num_virtual_stages_per_pipeline_rank
+    if args.num_layers_per_virtual_pipeline_stage is not None and args.num_layers:
+        per_rank = args.num_layers // max(1, args.pipeline_model_parallel_size)
+        return per_rank // args.num_layers_per_virtual_pipeline_stage
+    return None
+
+
+def microbatches(args) -> int:
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    data_parallel = max(1, args.world_size // model_parallel)
+    global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
+    return max(1, global_batch // (args.micro_batch_size * data_parallel))
+
+
+def _remote(path: str) -> bool:
+    return "://" in path  # object storage (msc://, s3://): megatron's to reach
+
+
+def check_input_files(args) -> None:
+    """Files the run reads: megatron's indexed datasets (PREFIX.bin and PREFIX.idx for every --data-path
+    prefix), the data-args files and the tokenizer's vocabulary and merges."""
+    paths = []
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        paths += list(getattr(args, flag, None) or [])
+    for prefix in paths:
+        if _is_number(prefix) or _remote(prefix):
+            continue  # a blend weight
+        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
+        if missing:
+            raise StartupRefusal(
+                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; "
+                f"pass the prefix of a megatron indexed dataset (PREFIX.bin and PREFIX.idx), or drop --data-path "
+                f"for mock data"
+            )
+    for name in ("data_args_path", "per_split_data_args_path", "vocab_file", "merge_file"):
+        path = getattr(args, name, None)
+        if path and not _remote(path) and not os.path.isfile(path):
+            flag = "--" + name.replace("_", "-")
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise StartupRefusal(f"{flag} {path} {what}; pass an existing file or drop {flag}")
+
+
+# Directories the run writes into (megatron's and ours): created and written to once at start-up.
+WRITTEN_DIRECTORIES = ("zero_bubble_dump_schedule", "save", "tensorboard_dir", "data_cache_path")
+
+
+def check_paths(args) -> None:
+    """Directories the run writes into must be creatable and writable before anything starts."""
+    for name in WRITTEN_DIRECTORIES:
+        path = getattr(args, name, None)
+        if path and not _remote(path):
+            _writable_directory(path, "--" + name.replace("_", "-"))
+
+
+def _writable_directory(path: str, flag: str) -> None:
+    """Create `path` (with its parents) and write a file into it, or refuse naming the flag."""
+    fix = "pass a directory you can write to"
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({existing} is a file); {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); {fix}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pretrain_gpt-write-check-"):
+            pass
+    except OSError as error:
+        raise StartupRefusal(f"{flag} {path}: cannot write into the directory ({error.strerror}); {fix}") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+# MoE options that need CUDA (the CPU backend runs megatron's local experts: SequentialMLP, alltoall/allgather).
+MOE_CUDA_ONLY = {
+    "moe_grouped_gemm": "the grouped experts are Transformer Engine's TEGroupedMLP; on CPU the local experts run "
+                        "one after another (SequentialMLP)",
+    "moe_permute_fusion": "Transformer Engine's fused permutation kernels",
+    "moe_shared_expert_overlap": "it runs the shared experts beside the token dispatch on a CUDA stream",
+}
+
+
+def check_without_zero_bubble(args) -> None:
+    """Checks that apply to every run of the entry script (its own data, MoE, the CPU backend)."""
+    check_input_files(args)
+    _check_local_experts(args)
+    if cuda_available():
+        return
+    if args.distributed_backend != "gloo":
+        raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
+    if args.transformer_impl == "transformer_engine":
+        raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+    if not args.num_experts:
+        return
+    for name, why in MOE_CUDA_ONLY.items():
+        if getattr(args, name, False):
+            raise StartupRefusal(f"--{name.replace('_', '-')} needs CUDA ({why}); on CPU drop the flag")
+    if args.moe_token_dispatcher_type == "flex":
+        raise StartupRefusal("--moe-token-dispatcher-type flex needs CUDA (DeepEP / HybridEP); on CPU use alltoall "
+                             "or allgather")
+
+
+def _check_local_experts(args) -> None:
+    """megatron-core 0.19.2's local experts (SequentialMLP) with linear biases add the bias in place to the
+    output of their all-reduce, which over a single rank is their input returned as is: autograd refuses it at
+    the first forward, on any device, unless expert or expert-tensor parallelism makes the reduction explicit."""
+    if not args.num_experts or not args.add_bias_linear or args.transformer_impl != "local":
+        return
+    expert_tp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if args.expert_model_parallel_size == 1 and expert_tp == 1:
+        raise StartupRefusal(
+            "--num-experts with linear biases fails in megatron-core's local experts at --expert-model-parallel-size "
+            "1 and expert tensor parallel size 1 (an in-place bias add on an all-reduce over one rank); add "
+            "--disable-bias-linear")
+
+
+def _through_runtime(args, schedule: str) -> bool:
+    return schedule in SPLIT_BACKWARD_SCHEDULES or args.enable_zb_runtime
+
+
+def _timer_window(args) -> tuple[int, int]:
+    start, end = args.zero_bubble_pipeline_timers_start_iter, args.zero_bubble_pipeline_timers_end_iter
+    start = DEFAULT_TIMERS[0] if start is None else start
+    end = max(start, DEFAULT_TIMERS[1]) if end is None else end
+    return start, end
+
+
+def check_schedule_flags(args, schedule: str, flag: str) -> None:
+    """The chosen schedule's checks that need only our flags and megatron's pipeline sizes (so they run
+    before megatron is imported as well as after its parsing)."""
+    p = args.pipeline_model_parallel_size
+    if p < 2:
+        raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
+    vpp = _virtual_stages(args)
+    _check_conflicts(args, schedule, flag)
+    if layout_of(schedule) == "v":
+        _check_v_layout(args, vpp, flag)
+    elif layout_of(schedule) == "interleaved":
+        if vpp is not None and vpp < 2:
+            raise StartupRefusal(
+                f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
+    elif vpp not in (None, 1):
+        raise StartupRefusal(
+            f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank / "
+            f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule interleaved-1f1b / zb-v)"
+        )
+    if not _through_runtime(args, schedule):
+        _refuse_runtime_only_flags(args, f"{flag} runs megatron's own schedule; add --enable-zb-runtime or drop")
+        return
+    limit = args.zero_bubble_max_pending_backward
+    if limit is not None and limit < 1:
+        raise StartupRefusal(
+            f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
+        )
+    _check_memory_share(args)
+    setup = getattr(args, "zero_bubble_v_schedule_mem_setup", None)
+    if setup is not None and layout_of(schedule) != "v":
+        raise StartupRefusal(f"--zero-bubble-v-schedule-mem-setup sets ZB-V's memory, not {flag}'s; add "
+                             f"--zero-bubble-v-schedule or drop it (--zero-bubble-max-pending-backward sets {schedule}'s)")
+    if setup is not None and limit is not None:
+        raise StartupRefusal("--zero-bubble-v-schedule-mem-setup and --zero-bubble-max-pending-backward both set ZB-V's "
+                             "memory; keep one of them")
+    start, end = _timer_window(args)
+    if end < start:
+        raise StartupRefusal(
+            "--zero-bubble-pipeline-timers-end-iter is before --zero-bubble-pipeline-timers-start-iter; swap them")
+
+
+def _check_memory_share(args) -> None:
+    share = args.zero_bubble_adaptive_memory_limit_percentile
+    if share is None:
+        return
+    flag = f"--zero-bubble-adaptive-memory-limit-percentile {share:g}"
+    if not 0 < share <= 100:
+        raise StartupRefusal(f"{flag} is not a percentage; give a number above 0 and at most 100")
+    if args.zero_bubble_max_pending_backward is not None or args.zero_bubble_v_schedule_mem_setup is not None:
+        raise StartupRefusal(f"{flag} sizes the automatic memory limit, but the limit is given; drop one of them")
+    if not cuda_available():
+        raise StartupRefusal(f"{flag} has no effect without CUDA (the automatic limit reads the free device "
+                             f"memory; on CPU it is the planner's default); drop the flag")
+
+
+def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
+    """Refuse what the chosen schedule cannot run with beyond `check_schedule_flags` (which `check_flags`
+    ran already); the options otherwise."""
+    if not _through_runtime(args, schedule):
+        return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
+                                 timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
+    _check_runtime(args, flag)
+    limit = args.zero_bubble_max_pending_backward
+    if getattr(args, "zero_bubble_v_schedule_mem_setup", None) is not None:
+        limit = mem_setup_limit(args.zero_bubble_v_schedule_mem_setup, args.pipeline_model_parallel_size)
+    start, end = _timer_window(args)
+    options = ZeroBubbleOptions(
+        schedule=schedule, through_runtime=True, memory_limit=limit, timers_start_iter=start, timers_end_iter=end,
+        dump_dir=args.zero_bubble_dump_schedule, ilp_time_limit=args.zero_bubble_ilp_time_limit,
+        device_memory_share=None if args.zero_bubble_adaptive_memory_limit_percentile is None
+        else args.zero_bubble_adaptive_memory_limit_percentile / 100,
+    )
+    _try_planning(args, options, flag)
+    return options
+
+
+def _refuse_runtime_only_flags(args, reason: str) -> None:
+    for name in RUNTIME_ONLY_FLAGS:
+        if getattr(args, name) is not None:
+            raise StartupRefusal(f"--{name.replace('_', '-')} has no effect: {reason} --{name.replace('_', '-')}")
+
+
+def _check_v_layout(args, vpp, flag: str) -> None:
+    p, layers = args.pipeline_model_parallel_size, args.num_layers
+    if vpp not in (None, 2):
+        raise StartupRefusal(f"{flag} places exactly two model chunks per rank; drop the virtual pipeline flags")
+    if layers is None or layers % (2 * p):
+        raise StartupRefusal(
+            f"{flag} cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
+            f"is not a multiple of {2 * p}; use --num-layers {nearest_multiples(layers or 0, 2 * p)}"
+        )
+
+
+def nearest_multiples(layers: int, step: int) -> str:
+    """The layer counts next to `layers` that split into `step` equal parts: "8 or 12" (or "4" below one step)."""
+    below, above = layers // step * step, (layers // step + 1) * step
+    return f"{below} or {above}" if below else f"{above}"
+
+
+def _check_conflicts(args, schedule: str, flag: str) -> None:
+    """The megatron options the planning registry says this schedule cannot run with (those parsed so far)."""
+    for conflict in conflicting_options(schedule):
+        if getattr(args, conflict.option, None):
+            option = "--" + conflict.option.replace("_", "-")
+            raise StartupRefusal(f"{option} does not work with {flag} ({conflict.reason}); drop {option}")
+
+
+# What the zero-bubble runtime cannot drive, whatever the schedule: the megatron option and why.
+_NOT_WITH_THE_RUNTIME = {
+    "delay_wgrad_compute": "its weight gradients wait for backward_dw(), which only megatron's own schedules call",
+    "overlap_param_gather_with_optimizer_step": "it leaves the later chunks' parameter gathers to megatron's "
+                                                "interleaved schedule",
+    "use_megatron_fsdp": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "use_torch_fsdp2": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
+    "overlap_moe_expert_parallel_comm": "it is megatron's own combined-1F1B schedule (one microbatch's expert "
+                                        "all-to-all overlapped with another's compute), which the runtime replaces",
+}
+
+
+def _check_runtime(args, flag: str) -> None:
+    for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
+        if getattr(args, name, False):
+            raise StartupRefusal(
+                f"--{name.replace('_', '-')} gives variable sequence lengths, which the zero-bubble runtime "
+                f"does not support ({flag} needs fixed pipeline tensor shapes); drop one of them"
+            )
+    for name, why in _NOT_WITH_THE_RUNTIME.items():
+        if getattr(args, name, False):
+            option = "--" + name.replace("_", "-")
+            raise StartupRefusal(f"{option} does not work with the zero-bubble runtime ({flag}): {why}; drop {option}")
+
+
+def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
+    """Plan once with unit costs (no ILP) so that an impossible memory limit is refused before training."""
+    chunks = _virtual_stages(args) or natural_chunks(options.schedule)
+    try:
+        plan(options.schedule, PlanRequest(
+            stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
+            memory_limit=options.memory_limit, ilp_time_limit=0,
+            post_validation=args.enable_optimizer_post_validation,
+        ))
+    except ScheduleError as error:
+        raise StartupRefusal(f"{flag}: {error}") from None
+
+
+def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
+    """All start-up checks on parsed (not yet megatron-validated) arguments (`argv`: the command line they were
+    parsed from, for what must be given explicitly); None without zero bubble."""
+    check_without_zero_bubble(args)
+    check_paths(args)
+    schedule, flag = check_flags(args)
+    if schedule is None:
+        return None
+    options = check_zero_bubble(args, schedule, flag)
+    if args.enable_optimizer_post_validation:
+        check_post_validation(args, options, flag, argv)
+        options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)
+    return options
+
+
+def check_flags(args) -> tuple[str | None, str | None]:
+    """The checks on our own flags (and megatron's pipeline sizes), before megatron is imported and after its
+    parsing: (schedule, the flag that asked for it), or (None, None) for megatron's own schedule."""
+    if args.zero_bubble_exact_rollback and not args.enable_optimizer_post_validation:
+        raise StartupRefusal("--zero-bubble-exact-rollback only applies to --enable-optimizer-post-validation; "
+                             "add that flag or drop it")
+    schedule, flag = chosen_schedule(args)
+    if schedule is None:
+        if args.enable_optimizer_post_validation:
+            raise StartupRefusal("--enable-optimizer-post-validation needs a zero-bubble runtime schedule; add "
+                                 "--enable-zero-bubble (or --pipeline-schedule zb-h1 / zb-h2) or drop the flag")
+        _refuse_runtime_only_flags(args, "no zero-bubble schedule is chosen; add --enable-zero-bubble or drop")
+    else:
+        check_schedule_flags(args, schedule, flag)
+    return schedule, flag
+
+
+def check_post_validation(args, options: ZeroBubbleOptions, flag: str, argv: list[str]) -> None:
+    """What the speculative step and its rollback support; everything else is refused here."""
+    if not options.through_runtime:
+        raise StartupRefusal(
+            f"--enable-optimizer-post-validation works with schedules run by the zero-bubble runtime, not with "
+            f"megatron's own ({flag}); add --enable-zb-runtime or drop the flag")
+    if given(argv, "--rerun-mode") and args.rerun_mode != "disabled":
+        raise StartupRefusal(
+            f"--rerun-mode {args.rerun_mode} all-reduces over every rank after each forward-backward, the barrier "
+            f"--enable-optimizer-post-validation removes (without --rerun-mode it is switched off); use "
+            f"--rerun-mode disabled or drop one of them")
+    unsupported = {
+        "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
+        "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
+        "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
+        "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
+        "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
+        "moe_enable_routing_replay": "the routing it records or replays is not rewound when passes are replayed",
+        "moe_routing_trace_path": "the router trace would record the passes a rollback replays twice",
+        "save_tokens_per_expert_interval": "it would record the tokens of the passes a rollback replays twice",
+        "save_params_interval": "it would save speculative parameters",
+        "qk_clip": "it changes weights after the step, which a rollback would not undo",
+    }
+    for name, why in unsupported.items():
+        if getattr(args, name, False):
+            raise StartupRefusal(
+                f"--{name.replace('_', '-')} does not work with --enable-optimizer-post-validation ({why}); "
+                f"drop one of them")
+    if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
+        raise StartupRefusal("--num-distributed-optimizer-instances above 1 does not work with "
+                             "--enable-optimizer-post-validation yet; drop one of them")
+    if args.optimizer not in ("adam", "sgd"):
+        raise StartupRefusal(
+            f"--enable-optimizer-post-validation rolls back adam and sgd steps, not --optimizer {args.optimizer}; "
+            f"use one of those or drop the flag")
+    coupled_decay = args.optimizer == "adam" and not getattr(args, "decoupled_weight_decay", True)
+    if coupled_decay and args.weight_decay and not args.zero_bubble_exact_rollback:
+        raise StartupRefusal(
+            "Adam with coupled weight decay cannot be inverted in place; add --zero-bubble-exact-rollback "
+            "(or use decoupled weight decay)")

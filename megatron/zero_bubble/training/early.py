@@ -1,0 +1,113 @@
+"""The checks before megatron is imported (top of pretrain_gpt.py: a second, not minutes, under torchrun).
+
+`early_check()` parses our flags and the few megatron flags it needs and refuses what needs no megatron: bad
+values, conflicting flags, directories that cannot be written, missing input files, model-parallel sizes that
+divide neither the processes nor the layers; one line, printed once by rank 0 (`refuse`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..schedules.planners import natural_chunks
+from .checks import nearest_multiples, check_flags, check_input_files, check_paths
+from .flags import StartupRefusal, refuse_argparse_error, add_zero_bubble_flags
+from .refusal import refuse
+
+# Megatron's flags that the checks before megatron's import read, declared as megatron-core 0.19.2 declares
+# them (same destination, type, nargs and action: tests compare them with megatron's parser), so that the
+# early parse reads them exactly as megatron will.
+EARLY_MEGATRON_FLAGS = {
+    "--num-layers": {"type": int},
+    "--pipeline-model-parallel-size": {"type": int, "default": 1},
+    "--tensor-model-parallel-size": {"type": int, "default": 1},
+    "--context-parallel-size": {"type": int, "default": 1},
+    "--num-virtual-stages-per-pipeline-rank": {"type": int},
+    "--num-layers-per-virtual-pipeline-stage": {"type": int},
+    "--decoder-first-pipeline-num-layers": {"type": int},
+    "--decoder-last-pipeline-num-layers": {"type": int},
+    "--pipeline-model-parallel-layout": {"type": str},
+    "--account-for-embedding-in-pipeline-split": {"action": "store_true"},
+    "--account-for-loss-in-pipeline-split": {"action": "store_true"},
+    "--mtp-num-layers": {"type": int},
+    "--save": {"type": str},
+    "--tensorboard-dir": {"type": str},
+    "--data-cache-path": {},
+    "--data-path": {"nargs": "*"},
+    "--train-data-path": {"nargs": "*"},
+    "--valid-data-path": {"nargs": "*"},
+    "--test-data-path": {"nargs": "*"},
+    "--data-args-path": {"type": str},
+    "--per-split-data-args-path": {"type": str},
+    "--vocab-file": {"type": str},
+    "--merge-file": {"type": str},
+    "--yaml-cfg": {"type": str},
+    "--use-checkpoint-args": {"action": "store_true"},
+}
+# Flags that lay the layers out unevenly over the stages: the divisibility of --num-layers is megatron's to check.
+_UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                 "account_for_loss_in_pipeline_split")
+
+
+def early_parser() -> argparse.ArgumentParser:
+    """Our flags and the few megatron flags the early checks read; everything else is left for megatron."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", add_help=False, allow_abbrev=False)
+    parser.error = refuse_argparse_error
+    add_zero_bubble_flags(parser)
+    for flag, keywords in EARLY_MEGATRON_FLAGS.items():
+        parser.add_argument(flag, **keywords)
+    return parser
+
+
+def early_check(argv: list[str] | None = None) -> None:
+    """What can be refused before megatron is even imported (a second, not minutes, under torchrun): our flags'
+    values and combinations, paths the run reads or writes, and model-parallel sizes that divide neither the
+    processes nor the layers. Prints one line on rank 0 and exits 2 (see `refuse`)."""
+    try:
+        check_early(sys.argv[1:] if argv is None else argv)
+    except StartupRefusal as refusal:
+        refuse(str(refusal))
+
+
+def check_early(argv: list[str]) -> None:
+    """The checks of `early_check`; raises StartupRefusal."""
+    args, _ = early_parser().parse_known_args(argv)
+    check_paths(args)
+    check_input_files(args)
+    if args.yaml_cfg or args.use_checkpoint_args:
+        return  # the sizes and the layer count may come from the YAML file or the checkpoint: megatron's to check
+    _check_world_size(args)
+    schedule, _ = check_flags(args)
+    _check_layer_split(args, schedule)
+
+
+def _check_world_size(args) -> None:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # as megatron reads it
+    if world % (tp * pp * cp):
+        launch = " (launch with torchrun --nproc-per-node N)" if world == 1 else ""
+        raise StartupRefusal(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+            + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+            + f" = {tp * pp * cp} does not divide the {world} processes{launch}; choose sizes whose product "
+            f"divides the process count (the rest is data parallel)")
+
+
+def _check_layer_split(args, schedule: str | None) -> None:
+    """An even split of --num-layers over the pipeline stages (and model chunks) must come out whole."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    if not layers or pp < 2 or args.num_layers_per_virtual_pipeline_stage is not None:
+        return
+    if any(getattr(args, name) for name in _UNEVEN_SPLIT):
+        return
+    chunks = args.num_virtual_stages_per_pipeline_rank or (natural_chunks(schedule) if schedule else 1)
+    if layers % (pp * chunks):
+        what = f"--pipeline-model-parallel-size {pp}"
+        if args.num_virtual_stages_per_pipeline_rank:
+            what += f" x --num-virtual-stages-per-pipeline-rank {chunks}"
+        elif chunks > 1:
+            what += f" x {chunks} model chunks per rank ({schedule})"
+        raise StartupRefusal(f"--num-layers {layers} is not divisible by {what} = {pp * chunks}; use --num-layers "
+                             f"{nearest_multiples(layers, pp * chunks)}")

@@ -1,0 +1,178 @@
+"""The zero-bubble command-line flags of `pretrain_gpt.py`, added through megatron's extra-args hook.
+
+`add_arguments` is megatron's `extra_args_provider`: `--help` lists the flags in the group "zero bubble", a
+bad value or flag (megatron's own included) is one line (`StartupRefusal`), never argparse's usage text, and on
+a machine without CUDA the defaults that need it are switched to their CPU counterparts.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..schedules.planners import SCHEDULES, pipeline_schedule_names, split_backward_schedules
+from ..runtime.planning import DEVICE_MEMORY_SHARE
+from ..schedules.vbudget import MEM_SETUPS
+
+# What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
+PIPELINE_SCHEDULES = pipeline_schedule_names()
+SPLIT_BACKWARD_SCHEDULES = split_backward_schedules()
+DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
+
+# Flags users bring from other zero-bubble implementations (README, "Coming from another implementation").
+# Megatron-DeepSpeed's ZB-H1 flags ask for our zb-h1, which is exact (W runs in microbatch order):
+SCHEDULE_ALIASES = {"--enable-zbh1-pipeline": "zb-h1", "--enable-zbh1-exact-semantics": "zb-h1"}
+_OFFLOAD = ("activation offloading (PipeOffload) is not implemented; for less activation memory use a V schedule "
+            "under a smaller budget (--zero-bubble-v-schedule-mem-setup half or min)")
+# The original implementation's flags with no counterpart here: (takes a value, why and what to use instead).
+UNSUPPORTED_FLAGS = {
+    "--enable-1f1b-v": (False, "1F1B-V is not implemented; use --zero-bubble-v-schedule (ZB-V at 1F1B's memory) "
+                               "or --pipeline-schedule interleaved-1f1b"),
+    "--interleave-group-size": (True, "group-interleaved 1F1B is not implemented; use --pipeline-schedule "
+                                      "interleaved-1f1b"),
+    "--no-pre-communication-optimization": (False, "the runtime sends and receives in the order its lowering "
+                                                   "proves deadlock-free, with no switch; drop the flag"),
+    "--cpu-offload": (False, _OFFLOAD),
+    "--offload-chunk-num": (True, _OFFLOAD),
+    "--offload-time": (True, _OFFLOAD),
+    "--auto-offload-time": (False, _OFFLOAD),
+    "--num-seq-splits": (True, "sequence-split pipelining (Seq1F1B) is not implemented; drop the flag"),
+    "--allow-padding-num-layers": (False, "layer padding is not implemented; give ZB-V a --num-layers that is a "
+                                          "multiple of 2 x --pipeline-model-parallel-size, or lay the stages out "
+                                          "unevenly with megatron's --decoder-first-pipeline-num-layers / "
+                                          "--decoder-last-pipeline-num-layers and a one-chunk schedule (zb-h1, "
+                                          "zb-h2, zb-auto)"),
+}
+
+
+class StartupRefusal(Exception):
+    """A flag combination that cannot work; the message is one line naming the flag and the fix."""
+
+
+def _schedule_name(text: str) -> str:
+    """--pipeline-schedule's type: one of PIPELINE_SCHEDULES (a bad name is one line, not argparse's usage dump)."""
+    if text in PIPELINE_SCHEDULES:
+        return text
+    planner_only = f" ({text} is planner-only: zb-schedule)" if text in SCHEDULES else ""
+    raise argparse.ArgumentTypeError(f"{text!r} is not a schedule pretrain_gpt.py runs{planner_only}; use one of "
+                                     f"{', '.join(PIPELINE_SCHEDULES)}")
+
+
+def _max_pending_backward(text: str):
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of microbatches or 'auto', got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron's `extra_args_provider`: the zero-bubble flags and the entry script's own options."""
+    add_zero_bubble_flags(parser)
+    _repair_help_texts(parser)
+    parser.error = refuse_argparse_error  # a bad megatron flag: one line, not the full usage on every rank
+    if not cuda_available():
+        # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
+        # seconds per process for no gain at CPU sizes).
+        parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
+                            no_persist_layer_norm=True, transformer_impl="local",
+                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
+                            masked_softmax_fusion=False)  # its fp16/bf16 kernel is CUDA-only
+    return parser
+
+
+def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
+    """The zero-bubble flags and the entry script's own options (no megatron needed)."""
+    group = parser.add_argument_group("zero bubble", "Zero-bubble pipeline schedules (Qi et al., ICLR 2024).")
+    group.add_argument("--pipeline-schedule", type=_schedule_name, default=None, metavar="NAME",
+                       help=f"Pipeline schedule: {', '.join(PIPELINE_SCHEDULES)}. 1f1b and interleaved-1f1b are megatron's own unless "
+                       "--enable-zb-runtime is given; zb-h1 / zb-h2 are the paper's handcrafted schedules "
+                       "(1F1B's memory / twice it), zb-auto its automatic planner, zb-v the V-shape schedule "
+                       "(two model chunks per rank). Default: megatron's schedule.")
+    group.add_argument("--enable-zero-bubble", action="store_true",
+                       help="Same as --pipeline-schedule zb-auto: the automatic zero-bubble planner under the "
+                       "memory limit of --zero-bubble-max-pending-backward, re-planned from measured costs.")
+    group.add_argument("--zero-bubble-v-schedule", action="store_true",
+                       help="Same as --pipeline-schedule zb-v: ZB-V, 2p virtual stages placed as a V "
+                       "(needs --num-layers divisible by 2 x --pipeline-model-parallel-size).")
+    group.add_argument("--enable-zb-runtime", action="store_true",
+                       help="Run the chosen schedule, baselines included, through the zero-bubble runtime "
+                       "(without --pipeline-schedule: 1f1b, or interleaved-1f1b when a virtual pipeline "
+                       "size is set). Zero-bubble schedules always use it.")
+    group.add_argument("--zero-bubble-v-schedule-mem-setup", choices=tuple(MEM_SETUPS), default=None,
+                       help="ZB-V's memory budget in the original implementation's terms: min = V-Min's "
+                       "floor((p+4)/3) microbatches per rank, half = V-Half's (p+2)/2, zb = ZB-V's p (1F1B's peak). "
+                       "The V planner takes any budget in between through --zero-bubble-max-pending-backward.")
+    group.add_argument("--zero-bubble-max-pending-backward", type=_max_pending_backward, default=None,
+                       metavar="N|auto",
+                       help="Activation-memory limit of zb-auto and zb-v in microbatches held per rank (p = "
+                       "1F1B's peak, i.e. ZB-1p; 2p = ZB-2p; zb-h1 / zb-h2 have fixed memory). auto (default): on "
+                       "GPU what the free device memory holds, at most the planner's default; on CPU the default, "
+                       "2p for zb-auto and p for zb-v.")
+    group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=None, metavar="START",
+                       help=f"Re-planning from measured costs: pass times and activation sizes are recorded while "
+                       f"megatron's count of completed iterations is in [START, END), i.e. in the iterations its "
+                       f"log numbers START+1..END (default {DEFAULT_TIMERS[0]}).")
+    group.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=None, metavar="END",
+                       help=f"After logged iteration END the costs are gathered, the schedule is re-planned on one "
+                       f"rank and broadcast; every rank runs it from logged iteration END+1 on (default "
+                       f"{DEFAULT_TIMERS[1]}; END equal to START: no re-planning).")
+    group.add_argument("--zero-bubble-ilp-time-limit", type=float, default=10.0,
+                       help="Seconds the automatic planner's ILP refinement may take (0 skips it).")
+    group.add_argument("--zero-bubble-dump-schedule", metavar="DIR", default=None,
+                       help="Write the schedule in use as JSON and PNG into DIR (rank 0), again after "
+                       "re-planning.")
+    group.add_argument("--zero-bubble-adaptive-memory-limit-percentile", type=float, default=None, metavar="P",
+                       help=f"With --zero-bubble-max-pending-backward auto on GPU: activations may take P%% of the "
+                       f"device memory left free once the model and optimizer are in place (default "
+                       f"{100 * DEVICE_MEMORY_SHARE:g}). The original implementation's flag of this name counts "
+                       f"P%% of all device memory, for every allocation.")
+    group.add_argument("--enable-exactly-numeric-match", dest="zero_bubble_exact_rollback", action="store_true",
+                       help="The original implementation's name of --zero-bubble-exact-rollback.")
+    for flag, schedule in SCHEDULE_ALIASES.items():
+        group.add_argument(flag, action="store_true",
+                           help=f"Megatron-DeepSpeed's flag: same as --pipeline-schedule {schedule}, which is exact.")
+    for flag, (takes_value, why) in UNSUPPORTED_FLAGS.items():
+        group.add_argument(flag, **({"metavar": "VALUE"} if takes_value else {"action": "store_true"}),
+                           help=f"Known from another implementation, refused here: {why.replace('%', '%%')}.")
+    group.add_argument("--enable-optimizer-post-validation", action="store_true",
+                       help="No cross-stage synchronisation before the optimizer step: each stage steps "
+                       "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "
+                       "come back in the next iteration's warm-up, which rolls the step back (and re-steps "
+                       "clipped, replaying what ran on the speculative weights) when needed. Steps with inf/NaN "
+                       "gradients are skipped in every precision. Needs a schedule the zero-bubble runtime runs "
+                       "(any layout: one chunk, interleaved or V).")
+    group.add_argument("--zero-bubble-exact-rollback", action="store_true",
+                       help="With --enable-optimizer-post-validation: keep a copy of the parameters and optimizer "
+                       "state at each speculative step so that a rollback restores them bit for bit (default: "
+                       "invert the update in place, exact to a few ulps, no extra memory).")
+    entry = parser.add_argument_group("pretrain_gpt.py")
+    entry.add_argument("--init-weights-by-global-name", action="store_true",
+                       help="Initialise every weight from a generator seeded by (--seed, its global name), "
+                       "so that any pipeline/tensor layout of the model starts from the same weights.")
+
+
+def refuse_argparse_error(message: str):
+    """argparse's `error` for our parsers: a StartupRefusal (one line) instead of the usage text and exit."""
+    if message.startswith("argument "):
+        message = message[len("argument "):]
+    if message.startswith("unrecognized arguments"):
+        message += " (python pretrain_gpt.py --help lists every flag)"
+    raise StartupRefusal(message)
+
+
+def _repair_help_texts(parser: argparse.ArgumentParser) -> None:
+    """Escape stray '%' in help texts argparse cannot format (megatron-core 0.19.2 has one, in
+    --moe-paged-stash-buffer-size-factor-cuda), so that `--help` prints instead of raising ValueError."""
+    for action in parser._actions:
+        if not isinstance(action.help, str) or action.help == argparse.SUPPRESS:
+            continue
+        try:  # what argparse does to a help text: %-format it with the action's attributes and the prog
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
