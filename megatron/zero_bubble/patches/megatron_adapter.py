@@ -22,7 +22,8 @@ _REQUIRED = {
     "megatron.core.utils": ("get_model_config",),
     "megatron.core.parallel_state": (
         "get_pipeline_model_parallel_group", "get_tensor_model_parallel_group",
-        "get_tensor_and_data_parallel_group", "get_expert_tensor_and_model_parallel_group"),
+        "get_tensor_and_data_parallel_group", "get_expert_tensor_and_model_parallel_group",
+        "get_data_parallel_group"),
     "megatron.core.transformer.moe.moe_logging": ("get_moe_metrics_tracker",),
     "megatron.core.transformer.moe.router": ("MoEAuxLossAutoScaler",),
 }
@@ -195,11 +196,13 @@ class MegatronAdapter:
 
     def statistics_groups(self) -> SimpleNamespace:
         """The process groups post-validation reduces statistics in: this rank's pipeline group, the ranks of
-        its stage (tensor x data parallel, context parallel included), and in-stage groups that may hold the
-        part of a leaf's statistics group lying in this stage (step_statistics.blocks_for)."""
+        its stage (tensor x data parallel, context parallel included), in-stage groups that may hold the part of
+        a leaf's statistics group lying in this stage (step_statistics.blocks_for), and the data-parallel group
+        (context parallel included) megatron sums a per-token loss's token count over."""
         ps = self._m.parallel_state
         stage = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
         return SimpleNamespace(pipeline=ps.get_pipeline_model_parallel_group(), stage=stage,
+                               data_parallel=ps.get_data_parallel_group(with_context_parallel=True),
                                in_stage=[ps.get_tensor_model_parallel_group,
                                          ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
 

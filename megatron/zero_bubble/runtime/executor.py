@@ -165,7 +165,8 @@ class PipelineExecutor:
         run = MegatronRun(forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(),
                           forward_only, collect_non_loss_data, first_val_step, pg_collection, force_all_reduce)
         iteration = Iteration(
-            schedule=lowered.schedule, rank=rank, compute=MegatronPasses(self.megatron, run, device),
+            schedule=lowered.schedule, rank=rank,
+            compute=MegatronPasses(self.megatron, run, device, tokens_divided_later=validation is not None),
             transport=PipelineTransport(pp_group, shape, config.pipeline_dtype, device,
                                         validation_numel=validation.size if validation else 0),
             stores=self._stores_for(chunks, schedule.uses_split_backward()), validation=validation,

@@ -35,8 +35,9 @@ class StepValidation(Protocol):
     size: int  # elements of the summaries that the S and V passes send
     has_pending: bool  # a speculative step waits for its validation
 
-    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
-        """S: this rank's gradient statistics added to the partial sums (None: first of the chain)."""
+    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
+        """S: this rank's gradient statistics added to the partial sums (None: first of the chain); tokens: what
+        this rank's loss functions counted."""
 
     def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
@@ -77,6 +78,9 @@ class PassCompute(Protocol):
 
     def synchronize(self) -> None:
         """Wait for the device, so that a pass's clock reads its compute (observed passes only)."""
+
+    def token_count(self) -> int:
+        """The tokens this call's loss functions counted on this rank (0 where there is no loss)."""
 
 
 PassObserver = Callable[[Pass, float, float], None]  # (pass, start, end), times of the iteration's clock
@@ -212,7 +216,7 @@ class Iteration:
         """S: after the gradients are reduced, add this rank's statistics to the step's partial sums."""
         self.finish_backward()
         partial, out = self._summary_link(p)
-        sums = self.validation.statistics(partial, final=out is None)
+        sums = self.validation.statistics(partial, final=out is None, tokens=self.compute.token_count())
         if out is not None:
             self.outgoing[out] = (sums, None)
 

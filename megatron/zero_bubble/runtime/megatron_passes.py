@@ -73,9 +73,11 @@ class ChunkGradSync:
 class MegatronPasses:
     """F, B, BW and W of one training or evaluation call (see the module docstring)."""
 
-    def __init__(self, megatron, run: MegatronRun, device: torch.device):
+    def __init__(self, megatron, run: MegatronRun, device: torch.device, tokens_divided_later: bool = False):
         self.megatron = megatron  # patches.megatron_adapter.MegatronAdapter
         self.run = run
+        # post-validation divides by the token count in its S pass (the count travels along its chain)
+        self.tokens_divided_later = tokens_divided_later
         self.device = device
         self.forward_only = run.forward_only
         self.started_chunks: set[int] = set()
@@ -117,7 +119,7 @@ class MegatronPasses:
         if config.finalize_model_grads_func is not None:
             config.finalize_model_grads_func(
                 self.run.chunks,
-                self.total_num_tokens if config.calculate_per_token_loss else None,
+                self.total_num_tokens if config.calculate_per_token_loss and not self.tokens_divided_later else None,
                 pg_collection=self.run.pg_collection,
                 force_all_reduce=self.run.force_all_reduce,
             )
@@ -133,3 +135,6 @@ class MegatronPasses:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def token_count(self) -> int:
+        return int(self.total_num_tokens.item())

@@ -103,6 +103,11 @@ class PostValidation:
     stage_group: object = None
     stats_group: object = None  # None: this pipeline group (TP=1, non-distributed optimizer)
     blocks: list | None = None  # step_statistics.Block per reduction; None: one, over stats_group
+    # --calculate-per-token-loss: the chunks whose gradients the S pass divides by the global token count, and
+    # the data-parallel group that count is summed over (megatron's finalize_model_grads does it otherwise, after
+    # a broadcast from the last stage that would hold every stage until the last one's backward ends)
+    model_chunks: list | None = None
+    data_parallel_group: object = None
     exact: bool = False
     scheduler: object = None
     layout: str = "single"
@@ -125,7 +130,7 @@ class PostValidation:
         groups = megatron.statistics_groups()
         blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(groups.stage), groups.in_stage)
         return cls(optimizer, megatron, pp_group=groups.pipeline, stage_group=blocks[0].stage_group, blocks=blocks,
-                   **kwargs)
+                   data_parallel_group=groups.data_parallel, **kwargs)
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
@@ -133,7 +138,7 @@ class PostValidation:
         if self.blocks is None:
             self.blocks = [step_statistics.Block.of(self.stats_group or self.pp_group, range(len(self.leaves)),
                                                     self.stage_group)]
-        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves))
+        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves), tokens=self.model_chunks is not None)
         self.size = self.stats.size
         self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
@@ -141,13 +146,18 @@ class PostValidation:
 
     # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
     @torch.no_grad()
-    def statistics(self, partial: torch.Tensor | None, final: bool) -> torch.Tensor:
+    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
         """S: add this rank's gradient statistics to the partial sums (None on the chain's first rank) and
-        decide this rank's step; returns the sums to pass on (the full sums when `final`)."""
+        decide this rank's step; returns the sums to pass on (the full sums when `final`). tokens: what this
+        rank's loss functions counted (per-token loss: the chain starts on the loss stage, which passes it on)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
-        found_inf = self._prepare_grads()
         summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
+        if self.model_chunks is not None:
+            count = tokens if partial is None else self.stats.tokens(summary)
+            self.stats.set_tokens(summary, count)
+            self._divide_by_tokens(count)
+        found_inf = self._prepare_grads()
         for index, block in enumerate(self.blocks):
             local = torch.stack([self._squared_norm(block), *(found_inf[leaf] for leaf in block.leaves)])
             ranks, gathered = block.stage_ranks, [local]
@@ -308,6 +318,16 @@ class PostValidation:
             zero_grad(*args, **kwargs)
 
     # -- pieces of megatron's step, kept stage-local -------------------------------------------------
+    def _divide_by_tokens(self, loss_stage_tokens: int) -> None:
+        """Megatron's per-token-loss normalisation (finalize_model_grads), from the loss stage's count that came
+        along the chain instead of a broadcast from the last stage: summed over data-parallel replicas, then
+        every gradient divided by it."""
+        count = torch.tensor(loss_stage_tokens, dtype=torch.int, device=self.device)
+        dist.all_reduce(count, group=self.data_parallel_group)
+        scaling = 1.0 / torch.clamp(count, min=1)
+        for chunk in self.model_chunks:
+            chunk.scale_gradients(scaling)
+
     def _prepare_grads(self) -> list[torch.Tensor]:
         """Megatron's prepare_grads without its model-parallel all-reduce: main grads ready; per leaf, whether
         unscaling found inf/NaN on this rank (always 0 without a loss scaler)."""

@@ -218,6 +218,9 @@ class RehearsalPasses:
     def synchronize(self) -> None:
         pass
 
+    def token_count(self) -> int:
+        return 0
+
 
 class _Record:
     """A rank's passes as (op, mb, chunk, start, end) in schedule units from the common start t0 (the observer
@@ -250,7 +253,7 @@ class _ModelledValidation:
     size: int = 2
     has_pending: bool = False
 
-    def statistics(self, partial, final: bool) -> torch.Tensor:
+    def statistics(self, partial, final: bool, tokens: int = 0) -> torch.Tensor:
         return torch.zeros(self.size) if partial is None else partial
 
     def receive_result(self, result) -> tuple[torch.Tensor, bool]:

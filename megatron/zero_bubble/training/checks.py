@@ -408,6 +408,10 @@ def check_post_validation(args, options: ZeroBubbleOptions, flag: str, argv: lis
         "moe_routing_trace_path": "the router trace would record the passes a rollback replays twice",
         "save_tokens_per_expert_interval": "it would record the tokens of the passes a rollback replays twice",
         "save_params_interval": "it would save speculative parameters",
+        "save_activations_interval": "its hooks would record the activations of the passes a rollback replays twice",
+        "save_dgrads_interval": "its hooks would record the input gradients of the passes a rollback replays twice",
+        "save_wgrads_interval": "it would save gradients a rollback re-steps with, and force an all-reduce in the "
+                                "step's place",
         "qk_clip": "it changes weights after the step, which a rollback would not undo",
     }
     for name, why in unsupported.items():

@@ -76,6 +76,9 @@ class ZeroBubbleSession:
         from ..patches import optimizer_step
         from ..runtime.post_validation import PostValidation
 
+        chunks = list(model)
+        if self.megatron.model_config(chunks[0]).calculate_per_token_loss:
+            options["model_chunks"] = chunks  # the S pass divides by the token count (post_validation.py)
         controller = PostValidation.for_optimizer(optimizer, self.megatron, **options)
         self._install(optimizer_step, controller, model)
         self.executor.attach_post_validation(controller)
