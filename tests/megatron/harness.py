@@ -508,6 +508,22 @@ def gpt_forward_step(data_iterator, model):
     return output, loss_func
 
 
+def gpt_forward_step_per_token(data_iterator, model):
+    """Megatron forward_step_func with --calculate-per-token-loss: the loss summed over the tokens the mask keeps
+    (a mask that drops every label divisible by 5, so that microbatches count different numbers of tokens) and
+    that count, which megatron's finalize_model_grads (or post-validation's S pass) divides the gradients by."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        mask = (batch["labels"] % 5 != 0).float().view(-1)
+        loss = torch.sum(output_tensor.view(-1).float() * mask)
+        tokens = mask.sum().to(torch.int)
+        return loss, tokens, {"lm loss": (loss / tokens).detach().clone(), "microbatch": batch["microbatch"]}
+
+    return output, loss_func
+
+
 def run_forward_backward(chunks: list, spec: ModelSpec, num_microbatches: int, first_microbatch: int = 0,
                          forward_step_func: Callable = gpt_forward_step, forward_only: bool = False) -> dict[int, float]:
     """One call of megatron's `get_forward_backward_func()`; returns {microbatch index: loss} (last stage)."""

@@ -38,6 +38,7 @@ class Case:
     schedule: str = "zb-h1"  # with post-validation; the synchronous reference is megatron's own where it has one
     overlap: bool = False  # megatron DDP's overlapped reduction (and, distributed, parameter gathers), small buckets
     shard_data: bool = False  # data-parallel replicas train on different microbatches (else all on the same)
+    per_token: bool = False  # --calculate-per-token-loss: gradients divided by the tokens of the global batch
 
 
 V_SCHEDULES = ("zb-v", "v-half")  # megatron has no V: their synchronous reference is our executor's
@@ -108,7 +109,8 @@ def _train(case: Case, session) -> dict:
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=case.distributed, overlap_grad_reduce=case.overlap,
         overlap_param_gather=case.overlap and case.distributed, bucket_size=12_000 if case.overlap else None)
-    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout), ddp_config)
+    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout,
+                                                          calculate_per_token_loss=case.per_token), ddp_config)
     settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
     optimizer = harness.make_optimizer(chunks, OptimizerConfig(
         optimizer=case.optimizer, weight_decay=0.01, clip_grad=case.clip, use_distributed_optimizer=case.distributed,
@@ -135,7 +137,8 @@ def _train(case: Case, session) -> dict:
         originals = _record_collectives(step_collectives)  # the S pass takes the statistics in there
         try:
             first = (it * dp_size + dp_rank) * m if case.shard_data else it * m
-            step_losses = harness.run_forward_backward(chunks, case.spec, m, first)
+            step_losses = harness.run_forward_backward(chunks, case.spec, m, first, forward_step_func=(
+                harness.gpt_forward_step_per_token if case.per_token else harness.gpt_forward_step))
         finally:
             config.finalize_model_grads_func = finalize
             _restore(originals)
@@ -225,6 +228,13 @@ CASES = [
     Case("pp4/interleaved/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="interleaved-1f1b"),
     Case("pp4/interleaved/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS,
          schedule="interleaved-1f1b"),
+    # --calculate-per-token-loss: the token count of the loss stage comes with the gradients instead of megatron's
+    # broadcast from the last stage; replicas count different tokens (shard_data), summed within each stage
+    *(Case(f"{label}/{kind}/per-token", layout, kind == "pv/clip/exact", clip=CLIP, exact=True, per_token=True,
+           shard_data=True, iterations=4, spec=spec, schedule=schedule)
+      for label, layout, spec, schedule in (("pp4", PP4, SPEC, "zb-h1"), ("pp2", PP2, SPEC, "zb-h1"),
+                                            ("pp4/zb-v", PP4X2, EIGHT_LAYERS, "zb-v"))
+      for kind in ("sync/clip", "pv/clip/exact")),
     # MoE with clipping: at EP=2 two statistics groups (dense: tensor x pipeline; experts: expert tensor x expert
     # x pipeline), one with the distributed optimizer; at EP=1 the experts are in the dense optimizer
     *(Case(f"{label}/{kind}", layout, kind == "pv/clip/exact", clip=CLIP, exact=True, spec=MOE, iterations=3,
@@ -288,6 +298,8 @@ def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ("pp4/interleaved/pv/clip/exact", "pp4/interleaved/sync/clip"),
     ("pp2/distributed/overlap/pv/clip/exact", "pp2/distributed/overlap/sync/clip"),
     ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
+    ("pp4/pv/clip/exact/per-token", "pp4/sync/clip/per-token"), ("pp2/pv/clip/exact/per-token", "pp2/sync/clip/per-token"),
+    ("pp4/zb-v/pv/clip/exact/per-token", "pp4/zb-v/sync/clip/per-token"),
 ])
 def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
@@ -318,15 +330,26 @@ def test_clipping_with_the_in_place_inverse_under_adam_is_reported_after_ten_ite
 
 
 def test_no_collective_spans_more_than_one_pipeline_stage_during_the_iteration_and_the_step(reports):
-    for label in ("pp4/pv", "pp4/pv/clip", "tp2xpp2/pv", "pp2/pv", "pp2/distributed/pv/clip/exact"):
+    for label in ("pp4/pv", "pp4/pv/clip", "tp2xpp2/pv", "pp2/pv", "pp2/distributed/pv/clip/exact",
+                  "pp4/pv/clip/exact/per-token", "pp2/pv/clip/exact/per-token", "pp4/zb-v/pv/clip/exact/per-token"):
         for r in reports[label]:
             stage_of = r["stage_of_rank"]
             spans = {(name, ranks) for name, ranks in r["collectives"] if len({stage_of[x] for x in ranks}) > 1}
             assert not spans, f"{label}: cross-stage collectives during the step: {spans}"
     assert any(name == "all_gather" for name, _ in reports["tp2xpp2/pv"][0]["collectives"])  # within the stage
-    # and the check can fail: megatron's synchronous step reduces across stages
-    sync = reports["tp2xpp2/sync"][0]
-    assert any(len({sync["stage_of_rank"][x] for x in ranks}) > 1 for _, ranks in sync["collectives"])
+    # and the check can fail: megatron's synchronous step reduces across stages, and so does its per-token loss
+    # (a broadcast of the token count from the last stage) even where the reduction would not
+    for sync in (reports["tp2xpp2/sync"][0], reports["pp4/sync/clip/per-token"][0]):
+        assert any(len({sync["stage_of_rank"][x] for x in ranks}) > 1 for _, ranks in sync["collectives"])
+    assert any(name == "broadcast" for name, _ in reports["pp4/sync/clip/per-token"][0]["collectives"])
+
+
+def test_per_token_loss_under_data_parallelism_sums_replicas_that_count_different_tokens(reports):
+    """The replicas see different microbatches with different token counts (the mask drops labels divisible by 5),
+    so each stage's division needs the sum over the replicas; each replica's losses equal megatron's."""
+    reference, ours = _merged(reports["pp2/sync/clip/per-token"]), _merged(reports["pp2/pv/clip/exact/per-token"])
+    assert reference[0]["losses"] != reference[1]["losses"]  # the replicas trained on different data
+    assert all(ours[dp]["losses"] == reference[dp]["losses"] for dp in (0, 1))
 
 
 def test_tied_embedding_copies_stay_identical_through_in_place_rollbacks(reports):

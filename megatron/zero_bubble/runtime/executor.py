@@ -168,7 +168,8 @@ class PipelineExecutor:
             schedule=lowered.schedule, rank=rank,
             compute=MegatronPasses(self.megatron, run, device, tokens_divided_later=validation is not None),
             transport=PipelineTransport(pp_group, shape, config.pipeline_dtype, device,
-                                        validation_numel=validation.size if validation else 0),
+                                        validation_numel=validation.size if validation else 0,
+                                        token_counts=validation is not None and config.calculate_per_token_loss),
             stores=self._stores_for(chunks, schedule.uses_split_backward()), validation=validation,
             rollback=rollback, rewind=rewind, observer=pass_observer or self.observer,
         )

@@ -36,8 +36,8 @@ class StepValidation(Protocol):
     has_pending: bool  # a speculative step waits for its validation
 
     def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
-        """S: this rank's gradient statistics added to the partial sums (None: first of the chain); tokens: what
-        this rank's loss functions counted."""
+        """S: this rank's gradient statistics added to the partial sums (None: first of the chain); tokens: the
+        loss stage's token count (per-token loss; p2p.PipelineTransport.token_counts)."""
 
     def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
@@ -164,7 +164,7 @@ class Iteration:
                 self.transport.post_recv(item.msg)
             elif isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
-                self.transport.post_send(item.msg, tensor, on_done)
+                self.transport.post_send(item.msg, tensor, on_done, tokens=self.tokens_known())
                 settle()  # right after V's result went on (a no-op after other sends)
             elif item.op == Op.V:
                 if self._observed(item, self.validate_step):
@@ -216,7 +216,7 @@ class Iteration:
         """S: after the gradients are reduced, add this rank's statistics to the step's partial sums."""
         self.finish_backward()
         partial, out = self._summary_link(p)
-        sums = self.validation.statistics(partial, final=out is None, tokens=self.compute.token_count())
+        sums = self.validation.statistics(partial, final=out is None, tokens=self.tokens_known())
         if out is not None:
             self.outgoing[out] = (sums, None)
 
@@ -262,6 +262,11 @@ class Iteration:
             self.run(self.rollback.restart)
         finally:
             self.replaying = False
+
+    def tokens_known(self) -> int:
+        """The loss stage's token count as far as this rank knows it: its own count on the loss stage, else
+        the largest that came with a gradient (complete by the rank's last backward; p2p.py)."""
+        return max(self.compute.token_count(), self.transport.tokens_received)
 
     def _account(self) -> None:
         s = self.stats

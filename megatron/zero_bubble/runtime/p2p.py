@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.comm import Message
-from ..schedules.ops import carries_microbatch
+from ..schedules.ops import Kind, carries_microbatch
 
 
 def current_device() -> torch.device:
@@ -20,12 +20,23 @@ def current_device() -> torch.device:
 
 class PipelineTransport:
     def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 validation_numel: int = 0):
+                 validation_numel: int = 0, token_counts: bool = False):
         self.group = pp_group
         self.validation_numel = validation_numel  # the optimizer step's summaries (post_validation.py)
         self.shape, self.dtype, self.device = shape, dtype, device
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
         self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object]] = {}
+        # Per-token loss under post-validation: every gradient message is followed by the loss stage's token
+        # count as far as its sender knows it. Gradients flow away from the loss stage and a rank's last
+        # backward comes after all its forwards, so by its last backward every rank knows the full count,
+        # with no collective across stages (megatron broadcasts it from the last stage).
+        self.token_counts = token_counts
+        self.tokens_received = 0  # the largest count that came with a gradient
+        self._count_recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}  # a gradient's count, in flight
+        self._count_sends: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
+
+    def _with_count(self, msg: Message) -> bool:
+        return self.token_counts and msg.kind == Kind.GRAD
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -36,16 +47,24 @@ class PipelineTransport:
         else:  # megatron receives activations and gradients into leaf tensors that require grad
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
         self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer)
+        if self._with_count(msg):  # posted right after its gradient on both sides, so they pair in order
+            count = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._count_recvs[msg] = (dist.irecv(count, src=self._global(msg.src), group=self.group), count)
 
     def wait_recv(self, msg: Message) -> torch.Tensor:
         if msg not in self._recvs:
             raise RuntimeError(f"the lowered schedule never posted the receive of {msg.describe()}")
         work, buffer = self._recvs.pop(msg)
         work.wait()
+        if msg in self._count_recvs:
+            work, count = self._count_recvs.pop(msg)
+            work.wait()
+            self.tokens_received = max(self.tokens_received, int(count.item()))
         return buffer
 
-    def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None) -> None:
-        """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output)."""
+    def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None, tokens: int = 0) -> None:
+        """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output);
+        `tokens`: the loss stage's token count as this rank knows it (with `token_counts`, gradients only)."""
         if not carries_microbatch(msg.kind):
             self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor, on_done)
             return
@@ -56,9 +75,15 @@ class PipelineTransport:
             )
         payload = tensor.detach().to(self.dtype).contiguous()  # kept alive until the send completes
         self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload, on_done)
+        if self._with_count(msg):
+            count = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+            self._count_sends[msg] = (dist.isend(count, dst=self._global(msg.dst), group=self.group), count)
 
     def complete_send(self, msg: Message) -> None:
         """Wait for one send (if still pending) and run its completion callback."""
+        count = self._count_sends.pop(msg, None)
+        if count is not None:
+            count[0].wait()
         entry = self._sends.pop(msg, None)
         if entry is not None:
             entry[0].wait()

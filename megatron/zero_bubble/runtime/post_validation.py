@@ -138,7 +138,7 @@ class PostValidation:
         if self.blocks is None:
             self.blocks = [step_statistics.Block.of(self.stats_group or self.pp_group, range(len(self.leaves)),
                                                     self.stage_group)]
-        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves), tokens=self.model_chunks is not None)
+        self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves))
         self.size = self.stats.size
         self.device = current_device()
         self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
@@ -148,16 +148,14 @@ class PostValidation:
     @torch.no_grad()
     def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
         """S: add this rank's gradient statistics to the partial sums (None on the chain's first rank) and
-        decide this rank's step; returns the sums to pass on (the full sums when `final`). tokens: what this
-        rank's loss functions counted (per-token loss: the chain starts on the loss stage, which passes it on)."""
+        decide this rank's step; returns the sums to pass on (the full sums when `final`). tokens: the loss
+        stage's token count, which came with the gradients (per-token loss; p2p.PipelineTransport)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
-        summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
         if self.model_chunks is not None:
-            count = tokens if partial is None else self.stats.tokens(summary)
-            self.stats.set_tokens(summary, count)
-            self._divide_by_tokens(count)
+            self._divide_by_tokens(tokens)
         found_inf = self._prepare_grads()
+        summary = torch.zeros(self.size, dtype=torch.float, device=self.device) if partial is None else partial.clone()
         for index, block in enumerate(self.blocks):
             local = torch.stack([self._squared_norm(block), *(found_inf[leaf] for leaf in block.leaves)])
             ranks, gathered = block.stage_ranks, [local]
@@ -320,7 +318,7 @@ class PostValidation:
     # -- pieces of megatron's step, kept stage-local -------------------------------------------------
     def _divide_by_tokens(self, loss_stage_tokens: int) -> None:
         """Megatron's per-token-loss normalisation (finalize_model_grads), from the loss stage's count that came
-        along the chain instead of a broadcast from the last stage: summed over data-parallel replicas, then
+        with the gradients instead of a broadcast from the last stage: summed over data-parallel replicas, then
         every gradient divided by it."""
         count = torch.tensor(loss_stage_tokens, dtype=torch.int, device=self.device)
         dist.all_reduce(count, group=self.data_parallel_group)

@@ -6,8 +6,8 @@ expert leaf of an MoE model over the expert group (expert tensor x expert x pipe
 whose leaves share one group sums all their gradients in one reduction; otherwise each leaf gets its own
 norm and the chain combines them as `sqrt(sum(norm ** 2))`. The summary mirrors that: one *block* per
 reduction, holding one squared norm per rank of the block's group (in its rank order), then one inf/NaN flag
-per leaf (megatron updates each fp16 loss scaler with its own leaf's flag), with per-token loss the loss
-stage's token count, then two flags of the step (post_validation.SPECULATIVE, PENDING).
+per leaf (megatron updates each fp16 loss scaler with its own leaf's flag), then two flags of the step
+(post_validation.SPECULATIVE, PENDING).
 
 A block's squared norms are added in descending rank order, the order gloo's all-reduce of one element
 uses (checked at 4 ranks), so that the norm equals megatron's on gloo; with NCCL it may differ by an ulp.
@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 STEP_FLAGS = 2  # SPECULATIVE and PENDING, the summary's last elements (post_validation.py)
-TOKEN_SLOTS, TOKEN_SPLIT = 2, 2**20  # a token count as high * TOKEN_SPLIT + low, each exact in fp32
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class Block:
 class SummaryLayout:
     """Where each value sits in the summary tensor, and what megatron computes from the full sums."""
 
-    def __init__(self, blocks: list[Block], leaves: int, tokens: bool = False):
+    def __init__(self, blocks: list[Block], leaves: int):
         self.blocks = blocks
         self.starts = []
         start = 0
@@ -53,18 +52,7 @@ class SummaryLayout:
             self.starts.append(start)
             start += len(block.ranks)
         self.flags_start = start  # one inf/NaN flag per leaf
-        self.leaves = leaves
-        # with per-token loss: the loss stage's token count, in two fp32 slots (exact up to 2^40 tokens)
-        self.tokens_start = start + leaves if tokens else None
-        self.size = start + leaves + (TOKEN_SLOTS if tokens else 0) + STEP_FLAGS
-
-    def set_tokens(self, summary: torch.Tensor, count: int) -> None:
-        high, low = divmod(int(count), TOKEN_SPLIT)
-        summary[self.tokens_start:self.tokens_start + TOKEN_SLOTS] = torch.tensor([high, low], dtype=summary.dtype)
-
-    def tokens(self, summary: torch.Tensor) -> int:
-        high, low = summary[self.tokens_start:self.tokens_start + TOKEN_SLOTS].tolist()
-        return int(high) * TOKEN_SPLIT + int(low)
+        self.size = start + leaves + STEP_FLAGS
 
     def squares(self, summary: torch.Tensor, index: int) -> torch.Tensor:
         start = self.starts[index]
@@ -85,7 +73,7 @@ class SummaryLayout:
 
     def nonfinite(self, summary: torch.Tensor) -> bool:
         """inf/NaN anywhere: a leaf's unscaling found some, or a squared norm is not finite."""
-        flags = summary[self.flags_start:self.flags_start + self.leaves]
+        flags = summary[self.flags_start:self.size - STEP_FLAGS]
         squares = summary[:self.flags_start]
         return bool((flags > 0).any()) or not bool(torch.isfinite(squares).all())
 
