@@ -48,7 +48,8 @@ PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.0"]
 # It undoes steps exactly; bf16 with the in-place inverse (an ulp off in fp32 main params after an undo).
 PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1e6"]}
 ROLLBACK = {"bf16": [], "fp16": ["--zero-bubble-exact-rollback"]}
-POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/zb-h1/post-validation", "pp4/zb-auto/post-validation-exact",
+POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/megatron/clip/resumed", "pp4/zb-h1/post-validation",
+                        "pp4/zb-auto/post-validation-exact", "pp4/zb-auto/post-validation-exact/resumed",
                         "pp4/zb-v/clip", "pp4/zb-v/post-validation-exact", "pp4/v-half/post-validation-exact",
                         "pp4/interleaved/clip",
                         "pp4/interleaved/post-validation-exact",
@@ -60,6 +61,12 @@ DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimiz
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
 ILP = ["--zero-bubble-ilp-time-limit", "2"]
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]  # 1, 2, 2, 3
+LAYOUT = ["--pipeline-model-parallel-layout", "Et|t|t|tt|t|t|t|L"]  # as a V: ranks hold 1, 2, 2, 3 layers
+SIX_LAYERS = ["--num-layers", "6"]
+ACCOUNTING = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+ZB_AUTO_PV = ["--enable-zero-bubble", "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback", *ILP]
+CHECKPOINTS = ("ckpt", "ckpt-v", "ckpt-clip", "ckpt-pv")
 NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]  # the planner's heuristic alone: seconds less per plan
 # Mixture of experts (top-2 of 4, aux loss, alltoall, expert bias updated after each step) and sequence parallelism
 MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
@@ -74,27 +81,48 @@ TP2PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-siz
 
 def _runs(work: str) -> dict[str, list[str]]:
     """Every run of the 4-rank launch: label -> extra flags (in this order: the resume needs the save)."""
-    ckpt, dump, dump_v, dump_moe = (os.path.join(work, name) for name in ("ckpt", "dump", "dump-v", "dump-moe"))
+    dump, dump_v, dump_moe = (os.path.join(work, name) for name in ("dump", "dump-v", "dump-moe"))
+    ckpt, ckpt_v, ckpt_clip, ckpt_pv = (os.path.join(work, name) for name in CHECKPOINTS)
     return {
         "pp4/megatron": PP4,
-        "pp4/megatron/no-clip": PP4 + NO_CLIP,
+        # checkpoints cross layouts: one written under megatron's 1F1B resumes under ZB-V and the other way round
+        "pp4/megatron/no-clip": PP4 + NO_CLIP + ["--save", ckpt, "--save-interval", "3"],
+        "pp4/zb-v/from-megatron": PP4 + NO_CLIP + ["--zero-bubble-v-schedule", "--load", ckpt, "--ckpt-step", "3"],
         "pp4/zb-auto": PP4 + ["--enable-zero-bubble", *TIMERS, *ILP, "--zero-bubble-dump-schedule", dump],
-        "pp4/zb-h1": PP4 + ["--pipeline-schedule", "zb-h1", "--save", ckpt, "--save-interval", "3"],
-        "pp4/zb-h1/resumed": PP4 + ["--pipeline-schedule", "zb-h1", "--load", ckpt, "--ckpt-step", "3"],
+        "pp4/zb-h1": PP4 + ["--pipeline-schedule", "zb-h1"],
         "pp4/zb-h2": PP4 + ["--pipeline-schedule", "zb-h2"],
         "pp4/1f1b-runtime": PP4 + ["--enable-zb-runtime"],
         "pp4/interleaved": PP4 + ["--pipeline-schedule", "interleaved-1f1b"],
         "pp4/interleaved-runtime": PP4 + ["--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime"],
-        "pp4/zb-v": PP4 + NO_CLIP + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule", dump_v],
+        "pp4/interleaved-runtime/layers-per-stage": PP4 + ["--num-layers-per-virtual-pipeline-stage", "1",
+                                                           "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime"],
+        "pp4/zb-v": PP4 + NO_CLIP + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule", dump_v,
+                                     "--save", ckpt_v, "--save-interval", "3"],
+        "pp4/megatron/from-zb-v": PP4 + NO_CLIP + ["--load", ckpt_v, "--ckpt-step", "3"],
+        # megatron's uneven layouts: first/last stage sizes, a layout string (a V reads its i-th stage as virtual
+        # stage i), the embedding and loss counted as layers, and --allow-padding-num-layers (6 layers over 4 or 8
+        # stages: the ends get fewer, as a layout string megatron's own 1F1B runs too)
+        "pp4/megatron/uneven": PP4 + UNEVEN,
+        "pp4/zb-h1/uneven": PP4 + UNEVEN + ["--pipeline-schedule", "zb-h1"],
+        "pp4/interleaved/layout": PP4 + NO_CLIP + LAYOUT + ["--pipeline-schedule", "interleaved-1f1b"],
+        "pp4/interleaved-runtime/layout": PP4 + NO_CLIP + LAYOUT + ["--pipeline-schedule", "interleaved-1f1b",
+                                                                  "--enable-zb-runtime"],
+        "pp4/zb-v/layout": PP4 + NO_CLIP + LAYOUT + ["--zero-bubble-v-schedule"],
+        "pp4/megatron/padding": PP4 + NO_CLIP + SIX_LAYERS + ["--allow-padding-num-layers"],
+        "pp4/zb-v/padding": PP4 + NO_CLIP + SIX_LAYERS + ["--allow-padding-num-layers", "--zero-bubble-v-schedule"],
+        "pp4/zb-v/accounting": PP4 + NO_CLIP + SIX_LAYERS + ACCOUNTING + ["--zero-bubble-v-schedule"],
         "tp2pp2/megatron": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
         "tp2pp2/zb-auto": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                            "--enable-zero-bubble", *ILP],
         "dp2pp2/megatron": ["--pipeline-model-parallel-size", "2"],
         "dp2pp2/zb-h2": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h2"],
-        "pp4/megatron/clip": PP4 + PV_MODEL,
+        # saved after every iteration: the first step is rolled back, so post-validation saves while a speculative
+        # step awaits its validation (the checkpoint must hold the validated step)
+        "pp4/megatron/clip": PP4 + PV_MODEL + ["--save", ckpt_clip, "--save-interval", "1"],
+        "pp4/megatron/clip/resumed": PP4 + PV_MODEL + ["--load", ckpt_clip, "--ckpt-step", "1"],
         "pp4/zb-h1/post-validation": PP4 + PV_MODEL + ["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"],
-        "pp4/zb-auto/post-validation-exact": PP4 + PV_MODEL + ["--enable-zero-bubble", "--enable-optimizer-post-validation",
-                                                               "--zero-bubble-exact-rollback", *ILP],
+        "pp4/zb-auto/post-validation-exact": PP4 + PV_MODEL + ZB_AUTO_PV + ["--save", ckpt_pv, "--save-interval", "1"],
+        "pp4/zb-auto/post-validation-exact/resumed": PP4 + PV_MODEL + ZB_AUTO_PV + ["--load", ckpt_pv, "--ckpt-step", "1"],
         # two chunks per rank: the result walks from rank 0 in a V, from rank 3 in the interleaved layout; a V
         # layout's reference is megatron's synchronous step on the same layout (its norm adds the same partial norms)
         "pp4/zb-v/clip": PP4 + PV_MODEL + ["--zero-bubble-v-schedule"],
@@ -385,9 +413,11 @@ def test_zb_v_on_four_ranks_prints_the_losses_of_megatrons_1f1b(runs):
     _same_validation(runs["pp4/zb-v"], runs["pp4/megatron/no-clip"])
 
 
-def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losses(runs):
-    _same_training(runs["pp4/interleaved-runtime"], runs["pp4/interleaved"])
-    assert "zero-bubble: running interleaved-1f1b" in runs["pp4/interleaved-runtime"]
+@pytest.mark.parametrize("run", ["pp4/interleaved-runtime", "pp4/interleaved-runtime/layers-per-stage"])
+def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losses(runs, run):
+    """Two chunks per rank given by the schedule or by megatron's --num-layers-per-virtual-pipeline-stage."""
+    _same_training(runs[run], runs["pp4/interleaved"])
+    assert "zero-bubble: running interleaved-1f1b" in runs[run]
     assert "zero-bubble:" not in runs["pp4/interleaved"]
 
 
@@ -503,17 +533,82 @@ def test_replanning_measures_the_moe_layers_like_any_other(runs, work_dir):
     assert min(costs.t_f) > 0 and min(costs.t_b) > 0 and min(costs.t_w) > 0 and min(costs.m_w) > 0
 
 
-def test_save_then_load_resumes_a_zero_bubble_run_with_the_uninterrupted_losses(runs):
-    resumed, uninterrupted = runs["pp4/zb-h1/resumed"], runs["pp4/zb-h1"]
-    assert "successfully loaded checkpoint" in resumed and min(iteration_figures(resumed)) == 4
-    # Norms of every resumed iteration; the loss where megatron prints one iteration's own (its second
-    # logged iteration after a start averages two, as in any megatron run).
+def _resumes_like(resumed: str, uninterrupted: str, first: int, norms_to_the_printed_digit: bool = False) -> None:
+    """A run resumed from the checkpoint of iteration first-1 against the uninterrupted run: the norms of every
+    iteration; the loss where megatron prints one iteration's own (its second logged iteration after a start
+    averages two, as in any megatron run); the final evaluations."""
+    assert "successfully loaded checkpoint" in resumed and min(iteration_figures(resumed)) == first
     mine, theirs = iteration_figures(resumed), iteration_figures(uninterrupted)
-    for iteration in range(4, ITERS + 1):
-        for key in ("grad norm", "params norm"):
-            assert mine[iteration][key] == theirs[iteration][key], f"{key} at iteration {iteration}"
-    for iteration in (4, 6):
-        assert mine[iteration]["lm loss"] == theirs[iteration]["lm loss"]
+    for iteration in range(first, ITERS + 1):
+        keys = ("grad norm", "params norm", *(("lm loss",) if iteration != first + 1 else ()))
+        for key in keys:
+            got, expected = mine[iteration][key], theirs[iteration][key]
+            if norms_to_the_printed_digit and key.endswith("norm"):
+                assert abs(float(got) - float(expected)) <= 0.0011, f"{key} at iteration {iteration}"
+            else:
+                assert got == expected, f"{key} at iteration {iteration}"
+    assert validation_losses(resumed)[-3:] == validation_losses(uninterrupted)[-3:] != []
+
+
+@pytest.mark.parametrize("resumed, saved", [("pp4/zb-v/from-megatron", "pp4/megatron/no-clip"),
+                                            ("pp4/megatron/from-zb-v", "pp4/zb-v")])
+def test_a_checkpoint_resumes_across_megatrons_1f1b_and_zb_v_with_the_uninterrupted_losses(runs, resumed, saved):
+    """Megatron's distributed checkpoint names layers by their global number, so the V placement reads what
+    1F1B's wrote and the other way round; compared with megatron's uninterrupted 1F1B run (norms to their printed
+    digits, as ZB-V against 1F1B everywhere)."""
+    assert "successfully saved checkpoint" in runs[saved]
+    _resumes_like(runs[resumed], runs["pp4/megatron/no-clip"], first=4, norms_to_the_printed_digit=True)
+
+
+def test_post_validation_saves_the_validated_step_and_resumes_as_megatrons_own_save_and_resume(runs):
+    """Saved after every iteration: the first step, stepped on partial sums, is rolled back and re-stepped clipped
+    when its validation arrives, and the checkpoint of iteration 1 is written only after that validation (else it
+    would hold the speculative step). The resumed run prints megatron's resumed run's lines, digit for digit."""
+    saving = runs["pp4/zb-auto/post-validation-exact"]
+    first_rollbacks = re.search(r" iteration +1/.*?number of optimizer rollbacks: +(\d+) \|", saving)
+    assert first_rollbacks and first_rollbacks.group(1) == "1"  # the checkpointed step had been rolled back
+    ours, reference = runs["pp4/zb-auto/post-validation-exact/resumed"], runs["pp4/megatron/clip/resumed"]
+    assert "successfully loaded checkpoint" in ours and min(iteration_figures(ours)) == 2
+    assert _iteration_lines(ours) == _iteration_lines(reference) and len(_iteration_lines(reference)) == ITERS - 1
+    assert validation_losses(ours) == validation_losses(reference) != []
+
+
+PARAMETERS_LINE = re.compile(r"number of parameters on \(tensor, \S+ pipeline\) model parallel rank "
+                             r"\(0, 0, (\d+)\): (\d+)")
+
+
+def _parameters_per_rank(log: str) -> dict[int, int]:
+    return {int(rank): int(count) for rank, count in PARAMETERS_LINE.findall(log)}
+
+
+def test_megatrons_uneven_first_and_last_stages_give_megatrons_losses_under_zb_h1(runs):
+    _same_training(runs["pp4/zb-h1/uneven"], runs["pp4/megatron/uneven"])
+    assert validation_losses(runs["pp4/zb-h1/uneven"]) == validation_losses(runs["pp4/megatron/uneven"]) != []
+    per_rank = _parameters_per_rank(runs["pp4/megatron/uneven"])
+    assert per_rank[1] == per_rank[2] and per_rank[3] > per_rank[1]  # 2, 2 and 3 layers: the layout was used
+
+
+def test_a_layout_string_runs_interleaved_through_the_runtime_and_as_a_v_with_megatrons_losses(runs):
+    """The same layout string: megatron's interleaved placement (stage i = chunk i // p of rank i % p) through
+    megatron and through the runtime, digit for digit; as a V (stage i = the V's virtual stage i), with the
+    layers it names on each rank, to the norms' printed digits."""
+    reference = runs["pp4/interleaved/layout"]
+    _same_training(runs["pp4/interleaved-runtime/layout"], reference)
+    _same_training(runs["pp4/zb-v/layout"], reference, norms_to_the_printed_digit=True)
+    _same_validation(runs["pp4/zb-v/layout"], reference)
+    per_rank = _parameters_per_rank(runs["pp4/zb-v/layout"])  # virtual stages (r, 7-r): 1+1, 1+1 and 2+1 layers
+    assert per_rank[1] == per_rank[2] and 2 * per_rank[3] == 3 * per_rank[1]
+
+
+@pytest.mark.parametrize("run", ["pp4/zb-v/padding", "pp4/zb-v/accounting"])
+def test_layers_that_do_not_divide_into_the_v_give_megatrons_losses_with_padding_or_accounting(runs, run):
+    """Six layers over the V's eight virtual stages: the two at the ends (both on rank 0, with the embedding and
+    the loss) get none, through --allow-padding-num-layers or megatron's --account-for-*-in-pipeline-split;
+    compared with megatron's 1F1B on --allow-padding-num-layers' layout for four stages (1, 2, 2, 1)."""
+    _same_training(runs[run], runs["pp4/megatron/padding"], norms_to_the_printed_digit=True)
+    _same_validation(runs[run], runs["pp4/megatron/padding"])
+    per_rank, reference = _parameters_per_rank(runs[run]), _parameters_per_rank(runs["pp4/megatron/padding"])
+    assert per_rank[1] == per_rank[2] == per_rank[3] == reference[1]  # two layers on every rank but 0
 
 
 # ---------------------------------------------------------------- tests: planning and re-planning
@@ -598,9 +693,18 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "conflicting --pipeline-schedule": (PP4 + ["--pipeline-schedule", "zb-h1", "--enable-zero-bubble"], 4,
                                         ["--pipeline-schedule zb-h1", "--enable-zero-bubble"]),
     "zb-v layers not divisible by 2p": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule",
-                                         "--num-layers", "6"], 2, ["--num-layers 6", "multiple of 4"]),
-    "zb-v padding asked for": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule", "--num-layers", "6",
-                                "--allow-padding-num-layers"], 2, ["--allow-padding-num-layers", "not implemented"]),
+                                         "--num-layers", "6"], 2,
+                                        ["--num-layers 6", "multiple of 4", "--allow-padding-num-layers"]),
+    "padding with a layout flag": (["--pipeline-model-parallel-size", "2", "--zero-bubble-v-schedule", "--num-layers", "6",
+                                    "--allow-padding-num-layers", "--account-for-loss-in-pipeline-split"], 2,
+                                   ["--allow-padding-num-layers", "--account-for-loss-in-pipeline-split", "keep one"]),
+    "padding that leaves a stage empty": (PP4 + ["--zero-bubble-v-schedule", "--num-layers", "5",
+                                                 "--allow-padding-num-layers"], 4,
+                                          ["--allow-padding-num-layers", "give at least 6 layers"]),
+    "zb-v with megatron's uneven first stage": (PP4 + ["--zero-bubble-v-schedule", "--decoder-first-pipeline-num-layers",
+                                                       "1"], 4,
+                                                ["--decoder-first-pipeline-num-layers", "rank 0",
+                                                 "--pipeline-model-parallel-layout"]),
     "zb-v budget below V-Min's": (PP4 + ["--zero-bubble-v-schedule", "--zero-bubble-max-pending-backward", "1"], 4,
                                   ["--zero-bubble-v-schedule", "below V-Min's floor((p+4)/3) = 2 M_B"]),
     "V memory setup without zb-v": (PP4 + ["--enable-zero-bubble", "--zero-bubble-v-schedule-mem-setup", "half"], 4,
@@ -664,7 +768,8 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
 
 # Refused before megatron is imported (pretrain_gpt.py's `early_check`, a second after start), with the same line.
 EARLY = ("conflicting schedule flags", "conflicting --pipeline-schedule", "zb-v layers not divisible by 2p",
-         "zb-v padding asked for", "memory limit below one microbatch", "missing --data-path",
+         "padding with a layout flag", "padding that leaves a stage empty", "zb-v with megatron's uneven first stage",
+         "memory limit below one microbatch", "missing --data-path",
          "V memory setup without zb-v", "V memory set twice",
          "pipeline schedule with PP=1", "zero bubble with PP=1", "post-validation without a schedule",
          "exact rollback without post-validation", "one-chunk schedule with a virtual pipeline", "runtime flag with PP=1",
@@ -767,8 +872,9 @@ def test_paths_sizes_and_names_are_refused_before_megatron_is_imported(label, tm
 def test_every_run_of_this_file_passes_the_early_checks_and_they_create_the_directories(tmp_path, monkeypatch):
     for label, flags in _command_lines(str(tmp_path)).items():
         assert _early_refusal(flags, 4, monkeypatch) is None, label
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "dump", "dump-moe", "dump-v"]  # created, and empty: the write
-    assert all(os.listdir(tmp_path / name) == [] for name in ("ckpt", "dump", "dump-moe", "dump-v"))  # check cleans up
+    created = sorted([*CHECKPOINTS, "dump", "dump-moe", "dump-v"])
+    assert sorted(os.listdir(tmp_path)) == created  # created, and empty: the write check cleans up
+    assert all(os.listdir(tmp_path / name) == [] for name in created)
 
 
 def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc: int) -> None:

@@ -6,7 +6,11 @@ megatron-core 0.19.x only knows the interleaved placement (chunk k of rank r = v
 - layers: `get_transformer_layer_offset` (transformer_layer.py) and `get_num_layers_to_build`
   (transformer_block.py), at their source and at every binding already imported by name, give chunk k of
   rank r the layers of virtual stage `virtual_stage("v", p, r, k)`; global layer numbers are true depth,
-  so checkpoint names and initialisation by global layer index match a PP=1 model.
+  so checkpoint names and initialisation by global layer index match a PP=1 model. The 2p virtual stages
+  hold L/(2p) layers each, or what megatron's uneven layouts say, read in virtual-stage order:
+  `--pipeline-model-parallel-layout` with 2p stages (its i-th stage is the V's virtual stage i) and
+  `--account-for-embedding-in-pipeline-split` / `--account-for-loss-in-pipeline-split` (the embedding and
+  the loss count as a layer of the first and the last virtual stage, both on rank 0).
 - stage roles: the first virtual stage is (rank 0, chunk 0), as in megatron; the last is (rank 0,
   chunk 1). So only "last" changes: `parallel_state.is_pipeline_last_stage` (all callers), and the
   bindings of `pipeline_parallel.utils.is_pp_last_stage` that mean "this rank holds the loss"
@@ -36,20 +40,46 @@ from ._patching import MegatronPatch, PatchError
 
 LAYOUT = "v"
 CHUNKS = 2  # model chunks per rank under V
-# Config options that place layers by other rules; V refuses them rather than mixing two placements.
-_CONFLICTING_OPTIONS = ("pipeline_model_parallel_layout", "num_layers_in_first_pipeline_stage",
-                        "num_layers_in_last_pipeline_stage", "mtp_num_layers")
-_CONFLICTING_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+# Config options that place layers by rules the V cannot follow: "the first/last pipeline stage" is one rank
+# of megatron's ring, but the V's first and last virtual stages are both on rank 0 (use a layout instead).
+_CONFLICTING_OPTIONS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "mtp_num_layers")
 
 
 # ---------------------------------------------------------------- the V rule (pure)
 
 
-def v_layer_range(num_layers: int, stages: int, rank: int, chunk: int) -> range:
+def v_stage_layer_counts(num_layers: int, stages: int, layout: list[int] | None = None, embedding: bool = False,
+                         loss: bool = False) -> list[int]:
+    """Transformer layers of each of the 2p virtual stages, in virtual-stage order: `layout` when given (one
+    count per virtual stage), else an even split of L (+1 for the embedding, +1 for the loss when they count as
+    layers, taken off the first and the last virtual stage)."""
+    virtual_stages = CHUNKS * stages
+    if layout is not None:
+        if len(layout) != virtual_stages or sum(layout) != num_layers:
+            raise PatchError(f"a V layout has {virtual_stages} virtual stages holding {num_layers} layers, got "
+                             f"{len(layout)} stages holding {sum(layout)}")
+        return list(layout)
+    extra = int(embedding) + int(loss)
+    total = num_layers + extra
+    if total % virtual_stages:
+        counted = f" + {extra} (embedding and loss counted as layers)" if extra else ""
+        raise PatchError(
+            f"ZB-V splits the model into 2p = {virtual_stages} virtual stages (p={stages}), but num_layers = "
+            f"{num_layers}{counted} is not a multiple of {virtual_stages} ({total} % {virtual_stages} = "
+            f"{total % virtual_stages}); choose a num_layers that splits evenly, or lay the layers out with "
+            f"pipeline_model_parallel_layout"
+        )
+    counts = [total // virtual_stages] * virtual_stages
+    counts[0] -= int(embedding)
+    counts[-1] -= int(loss)
+    return counts
+
+
+def v_layer_range(num_layers: int, stages: int, rank: int, chunk: int, counts: list[int] | None = None) -> range:
     """Global 0-based indices of the transformer layers held by (rank, chunk) under V.
 
-    The model is cut into 2p virtual stages of L/(2p) layers; (rank, chunk) holds virtual stage
-    `virtual_stage("v", p, rank, chunk)`, i.e. r for chunk 0 and 2p-1-r for chunk 1.
+    The model is cut into 2p virtual stages (`counts` layers each, default L/(2p)); (rank, chunk) holds
+    virtual stage `virtual_stage("v", p, rank, chunk)`, i.e. r for chunk 0 and 2p-1-r for chunk 1.
     """
     if stages < 1:
         raise PatchError(f"ZB-V needs at least one pipeline stage, got p={stages}")
@@ -57,16 +87,18 @@ def v_layer_range(num_layers: int, stages: int, rank: int, chunk: int) -> range:
         raise PatchError(f"pipeline rank {rank} is outside 0..{stages - 1} for p={stages}")
     if chunk not in range(CHUNKS):
         raise PatchError(f"ZB-V has model chunks 0 and 1 on each rank, got chunk {chunk}")
-    virtual_stages = CHUNKS * stages
-    if num_layers % virtual_stages:
-        raise PatchError(
-            f"ZB-V splits the model into 2p = {virtual_stages} virtual stages (p={stages}), but num_layers = "
-            f"{num_layers} is not a multiple of {virtual_stages} ({num_layers} % {virtual_stages} = "
-            f"{num_layers % virtual_stages}); choose a num_layers divisible by {virtual_stages}"
-        )
-    per_stage = num_layers // virtual_stages
+    counts = v_stage_layer_counts(num_layers, stages) if counts is None else counts
     vstage = virtual_stage(LAYOUT, stages, rank, chunk)
-    return range(vstage * per_stage, (vstage + 1) * per_stage)
+    start = sum(counts[:vstage])
+    return range(start, start + counts[vstage])
+
+
+def layout_layer_counts(layout) -> list[int]:
+    """Decoder layers per stage of megatron's PipelineParallelLayerLayout, in pipeline order (its i-th stage)."""
+    from megatron.core.transformer.enums import LayerType
+
+    p, v = layout.pipeline_model_parallel_size, layout.virtual_pipeline_model_parallel_size
+    return [layout.layout[i % p][i // p].count(LayerType.decoder) for i in range(p * v)]
 
 
 def v_first_stage_owner(stages: int) -> tuple[int, int]:
@@ -229,9 +261,6 @@ class VShapePlacement(MegatronPatch):
         for option in _CONFLICTING_OPTIONS:
             if getattr(config, option, None):
                 raise PatchError(f"the V placement does not support {option}={getattr(config, option)!r}")
-        for flag in _CONFLICTING_FLAGS:
-            if getattr(config, flag, False):
-                raise PatchError(f"the V placement does not support {flag}=True")
         return True
 
     def _check_pipeline_size(self, size: int) -> None:
@@ -248,7 +277,11 @@ class VShapePlacement(MegatronPatch):
             from megatron.core import parallel_state
 
             pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        return v_layer_range(config.num_layers, self.stages, pp_rank, vp_stage)
+        layout = config.pipeline_model_parallel_layout
+        counts = v_stage_layer_counts(
+            config.num_layers, self.stages, layout_layer_counts(layout) if layout is not None else None,
+            config.account_for_embedding_in_pipeline_split, config.account_for_loss_in_pipeline_split)
+        return v_layer_range(config.num_layers, self.stages, pp_rank, vp_stage, counts)
 
     # -- replacements (signatures as in megatron-core 0.19.2)
 
@@ -260,7 +293,7 @@ class VShapePlacement(MegatronPatch):
     def get_num_layers_to_build(self, config, vp_stage=None, pp_rank=None) -> int:
         if not self._applies_to_config(config):
             return self._originals["get_num_layers_to_build"](config, vp_stage, pp_rank)
-        # Every virtual stage has L/(2p) layers; chunk 0 stands in when the caller has no vp_stage.
+        # chunk 0 stands in when the caller has no vp_stage
         return len(self._chunk_layers(config, 0 if vp_stage is None else vp_stage, pp_rank))
 
     def is_pipeline_last_stage(self, ignore_virtual=True, vp_stage=None) -> bool:

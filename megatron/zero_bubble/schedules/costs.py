@@ -27,6 +27,20 @@ def _per_stage(value, n: int, what: str) -> tuple[float, ...]:
     return values
 
 
+_EMPTY_STAGE = 0.01  # layers a stage without any is planned as (its embedding lookup, its pipeline copies)
+
+
+def even_layer_counts(layers: int, stages: int) -> list[int]:
+    """Layers per virtual stage, as even as they come: what does not divide goes to the middle stages first,
+    since the first and the last also carry the embedding and the LM head."""
+    per_stage, extra = divmod(layers, stages)
+    order = sorted(range(stages), key=lambda v: abs(v - (stages - 1) / 2))
+    counts = [per_stage] * stages
+    for v in order[:extra]:
+        counts[v] += 1
+    return counts
+
+
 @dataclass(frozen=True)
 class Costs:
     t_f: tuple[float, ...]
@@ -96,6 +110,7 @@ class Costs:
         micro_batch: int,
         vocab: int,
         num_virtual_stages: int,
+        layer_counts: Sequence[int] | None = None,
         flops_per_second: float = 125e12,
         link_bytes_per_second: float = 25e9,
         bytes_per_element: int = 2,
@@ -105,10 +120,10 @@ class Costs:
 
         Per layer: F ~ sbh(24h + 4s), B ~ sbh(24h + 8s), W ~ sbh(24h) FLOPs; M_B ~ sb(34h + 5as) and
         M_W ~ 32sbh bytes (16-bit activations). The LM head (2sbhV FLOPs per pass, fp32 logits kept for
-        the loss) is added to the last virtual stage. Layers that do not divide evenly go to the middle
-        stages first, since the first and last already carry embedding and head. The default
-        flops_per_second reproduces the paper's profiled T_F of its 1.5B model on A100. Times come out
-        in `time_unit`.
+        the loss) is added to the last virtual stage. `layer_counts` gives each virtual stage's layers
+        (an uneven layout); by default `even_layer_counts`. A stage without layers (only the embedding, say)
+        is planned as 1% of a layer, so that no pass has zero length. The default flops_per_second
+        reproduces the paper's profiled T_F of its 1.5B model on A100. Times come out in `time_unit`.
         """
         if min(layers, hidden, heads, seq_length, micro_batch, vocab, num_virtual_stages) < 1:
             raise ScheduleError("model shape: every size must be at least 1")
@@ -116,11 +131,11 @@ class Costs:
             raise ScheduleError(f"costs: time unit {time_unit!r} is not one of {', '.join(TIME_UNITS)}")
         flops_per_unit = flops_per_second * TIME_UNITS[time_unit]
         s, b, h, a = seq_length, micro_batch, hidden, heads
-        per_stage, extra = divmod(layers, num_virtual_stages)
-        order = sorted(range(num_virtual_stages), key=lambda v: abs(v - (num_virtual_stages - 1) / 2))
-        counts = [per_stage] * num_virtual_stages
-        for v in order[:extra]:
-            counts[v] += 1
+        counts = even_layer_counts(layers, num_virtual_stages) if layer_counts is None else list(layer_counts)
+        if len(counts) != num_virtual_stages or sum(counts) != layers or min(counts) < 0:
+            raise ScheduleError(f"model shape: {num_virtual_stages} virtual stages holding {layers} layers, got "
+                                f"layer counts {counts}")
+        counts = [n or _EMPTY_STAGE for n in counts]
         sbh = s * b * h
         f_layer, b_layer, w_layer = sbh * (24 * h + 4 * s), sbh * (24 * h + 8 * s), sbh * 24 * h
         mb_layer, mw_layer = s * b * (34 * h + 5 * a * s), 32 * sbh

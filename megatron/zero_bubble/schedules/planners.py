@@ -32,12 +32,14 @@ class Conflict:
     reason: str  # reads as "--<option> does not work with <schedule> (<reason>)"
 
 
-# Megatron's own rules for placing layers on stages; the V places them evenly over 2p virtual stages.
-_V_PLACEMENT = tuple(
-    Conflict(option, "it splits the layers evenly over 2p virtual stages")
-    for option in ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
-                   "decoder_last_pipeline_num_layers", "mtp_num_layers",
-                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+# Megatron's rules for placing layers that the V cannot follow (its layout string and the embedding/loss
+# accounting it does follow, patches/vshape_layout.py).
+_FIRST_LAST = ("it names one rank's layers, but the V holds the first and the last virtual stage both on rank 0; "
+               "lay the 2p virtual stages out with --pipeline-model-parallel-layout instead")
+_V_PLACEMENT = (
+    Conflict("decoder_first_pipeline_num_layers", _FIRST_LAST),
+    Conflict("decoder_last_pipeline_num_layers", _FIRST_LAST),
+    Conflict("mtp_num_layers", "megatron places multi-token-prediction layers by its interleaved rule"),
 )
 
 

@@ -210,7 +210,8 @@ def right_justify(schedule: Schedule, costs: Costs, limits: list[float], timelin
         lanes.append(_Backward(limits[r], smallest, held, ends[-1]))
     started: dict[tuple, float] = {}
     stream_start: dict[tuple, float] = {}
-    for t in sorted(_all(timeline), key=lambda t: (-t.end, -t.rank)):
+    # ties (passes of no duration end where the next starts) in reverse order of the rank's own sequence
+    for t in sorted(reversed(list(_all(timeline))), key=lambda t: (-t.end, -t.rank)):
         rank, p, v = t.rank, t.op, t.vstage
         latest = stream_start.get((rank, p.op, p.chunk), ends[rank])
         for op, at, comm in row.users_of(p.op, v):

@@ -12,7 +12,8 @@ import sys
 import traceback
 
 from ..schedules.planners import natural_chunks
-from .checks import ZeroBubbleOptions, check
+from .checks import ZeroBubbleOptions, check, padding_chunks
+from .layer_layout import padding_layout
 from .early import EARLY_MEGATRON_FLAGS, check_early, early_check, early_parser
 from .flags import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StartupRefusal, add_arguments
 from .refusal import EXIT_REFUSED, refuse
@@ -23,16 +24,20 @@ __all__ = ["EXIT_REFUSED", "PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "St
 
 
 def megatron_defaults(options: ZeroBubbleOptions | None, args) -> dict:
-    """Values handed to megatron as `args_defaults` (used only where the command line leaves them unset): a V
-    schedule's two chunks per rank, unless the command line lays the chunks out itself (megatron allows one of
-    its three virtual-pipeline flags at a time)."""
+    """Values handed to megatron as `args_defaults` (used only where the command line leaves them unset): the
+    layout --allow-padding-num-layers asks for, or a V schedule's two chunks per rank, unless the command line
+    lays the chunks out itself (megatron allows one of its three virtual-pipeline flags at a time)."""
+    schedule = options.schedule if options is not None else None
+    if args.allow_padding_num_layers:
+        stages = args.pipeline_model_parallel_size * padding_chunks(args, schedule)
+        layout = padding_layout(args.num_layers, stages)
+        if layout is not None:  # the layout names the chunks per rank too (megatron takes no other count with it)
+            return {"pipeline_model_parallel_layout": layout}
     laid_out = (args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage,
                 args.pipeline_model_parallel_layout)
-    if options is None or options.schedule is None or natural_chunks(options.schedule) == 1:
+    if schedule is None or natural_chunks(schedule) == 1 or any(value is not None for value in laid_out):
         return {}
-    if any(value is not None for value in laid_out):
-        return {}
-    return {"num_virtual_stages_per_pipeline_rank": natural_chunks(options.schedule)}
+    return {"num_virtual_stages_per_pipeline_rank": natural_chunks(schedule)}
 
 
 def megatron_check_failed(failed: AssertionError) -> str:

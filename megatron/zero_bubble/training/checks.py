@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..schedules.planners import PlanRequest, conflicting_options, layout_of, natural_chunks, plan
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
+from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
 from .flags import (DEFAULT_TIMERS, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
 
@@ -74,12 +75,38 @@ def chosen_schedule(args) -> tuple[str | None, str | None]:
 
 
 def _virtual_stages(args) -> int | None:
+    """Model chunks per rank as megatron derives them from whichever virtual-pipeline flag is given."""
+    p = max(1, args.pipeline_model_parallel_size)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         return args.num_virtual_stages_per_pipeline_rank
+    if args.pipeline_model_parallel_layout is not None:
+        return layout_stage_count(args.pipeline_model_parallel_layout) // p
     if args.num_layers_per_virtual_pipeline_stage is not None and args.num_layers:
-        per_rank = args.num_layers // max(1, args.pipeline_model_parallel_size)
-        return per_rank // args.num_layers_per_virtual_pipeline_stage
+        counted = args.num_layers + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+        return counted // p // args.num_layers_per_virtual_pipeline_stage
     return None
+
+
+def padding_chunks(args, schedule: str | None) -> int:
+    """Model chunks per rank that --allow-padding-num-layers lays the layers out over."""
+    return args.num_virtual_stages_per_pipeline_rank or (natural_chunks(schedule) if schedule else 1)
+
+
+def check_layer_padding(args, schedule: str | None) -> None:
+    """--allow-padding-num-layers lays the layers out itself: not with megatron's layout flags, and not so thin
+    that a middle stage would hold nothing."""
+    if not args.allow_padding_num_layers:
+        return
+    for name in LAYOUT_FLAGS:
+        if getattr(args, name, None):
+            option = "--" + name.replace("_", "-")
+            raise StartupRefusal(f"--allow-padding-num-layers lays the layers out itself, and so does {option}; "
+                                 f"keep one of them")
+    stages = args.pipeline_model_parallel_size * padding_chunks(args, schedule)
+    try:
+        padding_layout(args.num_layers or 0, stages)
+    except ValueError as error:
+        raise StartupRefusal(f"--allow-padding-num-layers: {error} (--num-layers)") from None
 
 
 def microbatches(args) -> int:
@@ -295,12 +322,19 @@ def _refuse_runtime_only_flags(args, reason: str) -> None:
 def _check_v_layout(args, vpp, flag: str) -> None:
     p, layers = args.pipeline_model_parallel_size, args.num_layers
     if vpp not in (None, 2):
-        raise StartupRefusal(f"{flag} places exactly two model chunks per rank; drop the virtual pipeline flags")
-    if layers is None or layers % (2 * p):
+        what = ("--pipeline-model-parallel-layout names 2p stages" if args.pipeline_model_parallel_layout
+                else "drop the virtual pipeline flags")
+        raise StartupRefusal(f"{flag} places exactly two model chunks per rank; {what}")
+    if args.pipeline_model_parallel_layout is not None or args.allow_padding_num_layers:
+        return  # megatron checks that the layout holds every layer; padding splits any count
+    counted = (layers or 0) + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    if layers is None or counted % (2 * p):
+        extra = counted - (layers or 0)
+        what = f"--num-layers {layers}" + (f" (+{extra} for the embedding and the loss)" if extra else "")
         raise StartupRefusal(
-            f"{flag} cuts the model into 2p = {2 * p} virtual stages, but --num-layers {layers} "
-            f"is not a multiple of {2 * p}; use --num-layers {nearest_multiples(layers or 0, 2 * p)}"
-        )
+            f"{flag} cuts the model into 2p = {2 * p} virtual stages, but {what} is not a multiple of {2 * p}; "
+            f"use --num-layers {nearest_multiples(layers or 0, 2 * p)}{' less ' + str(extra) if extra else ''}, "
+            f"or add --allow-padding-num-layers")
 
 
 def nearest_multiples(layers: int, step: int) -> str:
@@ -377,6 +411,7 @@ def check_flags(args) -> tuple[str | None, str | None]:
         raise StartupRefusal("--zero-bubble-exact-rollback only applies to --enable-optimizer-post-validation; "
                              "add that flag or drop it")
     schedule, flag = chosen_schedule(args)
+    check_layer_padding(args, schedule)
     if schedule is None:
         if args.enable_optimizer_post_validation:
             raise StartupRefusal("--enable-optimizer-post-validation needs a zero-bubble runtime schedule; add "

@@ -100,7 +100,7 @@ def _check_layer_split(args, schedule: str | None) -> None:
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     if not layers or pp < 2 or args.num_layers_per_virtual_pipeline_stage is not None:
         return
-    if any(getattr(args, name) for name in _UNEVEN_SPLIT):
+    if args.allow_padding_num_layers or any(getattr(args, name) for name in _UNEVEN_SPLIT):
         return
     chunks = args.num_virtual_stages_per_pipeline_rank or (natural_chunks(schedule) if schedule else 1)
     if layers % (pp * chunks):

@@ -35,11 +35,6 @@ UNSUPPORTED_FLAGS = {
     "--offload-time": (True, _OFFLOAD),
     "--auto-offload-time": (False, _OFFLOAD),
     "--num-seq-splits": (True, "sequence-split pipelining (Seq1F1B) is not implemented; drop the flag"),
-    "--allow-padding-num-layers": (False, "layer padding is not implemented; give ZB-V a --num-layers that is a "
-                                          "multiple of 2 x --pipeline-model-parallel-size, or lay the stages out "
-                                          "unevenly with megatron's --decoder-first-pipeline-num-layers / "
-                                          "--decoder-last-pipeline-num-layers and a one-chunk schedule (zb-h1, "
-                                          "zb-h2, zb-auto)"),
 }
 
 
@@ -134,6 +129,11 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (takes_value, why) in UNSUPPORTED_FLAGS.items():
         group.add_argument(flag, **({"metavar": "VALUE"} if takes_value else {"action": "store_true"}),
                            help=f"Known from another implementation, refused here: {why.replace('%', '%%')}.")
+    group.add_argument("--allow-padding-num-layers", action="store_true",
+                       help="Let --num-layers not divide into the virtual stages (p, or p x model chunks; 2p for "
+                       "ZB-V): every stage gets ceil(L / stages) layers but the stages at both ends of the model, "
+                       "which also hold the embedding and the LM head, one less each in turn; megatron gets it as "
+                       "the equivalent --pipeline-model-parallel-layout (so not together with a layout flag).")
     group.add_argument("--enable-optimizer-post-validation", action="store_true",
                        help="No cross-stage synchronisation before the optimizer step: each stage steps "
                        "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "

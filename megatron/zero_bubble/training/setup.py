@@ -18,6 +18,7 @@ from ..schedules.planners import layout_of, natural_chunks
 from . import arguments
 from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
 from .session import ZeroBubbleSession
+from .layer_layout import layer_counts_of
 
 
 def prepare_process() -> None:
@@ -44,7 +45,7 @@ def plan_settings(args, options: ZeroBubbleOptions):
     costs = Costs.from_model(
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
         seq_length=args.seq_length, micro_batch=args.micro_batch_size, vocab=args.padded_vocab_size,
-        num_virtual_stages=p * chunks,
+        num_virtual_stages=p * chunks, layer_counts=layer_counts_of(args, p, chunks),
     )
     return PlanSettings(
         schedule=options.schedule, stages=p, chunks=chunks, memory_limit=options.memory_limit,
