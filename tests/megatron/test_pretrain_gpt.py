@@ -701,6 +701,8 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "padding that leaves a stage empty": (PP4 + ["--zero-bubble-v-schedule", "--num-layers", "5",
                                                  "--allow-padding-num-layers"], 4,
                                           ["--allow-padding-num-layers", "give at least 6 layers"]),
+    "ILP time limit without zb-auto": (PP4 + ["--pipeline-schedule", "zb-h1", "--zero-bubble-ilp-time-limit", "2"], 4,
+                                       ["--zero-bubble-ilp-time-limit", "--pipeline-schedule", "drop the flag"]),
     "zb-v with megatron's uneven first stage": (PP4 + ["--zero-bubble-v-schedule", "--decoder-first-pipeline-num-layers",
                                                        "1"], 4,
                                                 ["--decoder-first-pipeline-num-layers", "rank 0",

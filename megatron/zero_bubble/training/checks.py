@@ -395,6 +395,10 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
     check_without_zero_bubble(args)
     check_paths(args)
     schedule, flag = check_flags(args)
+    if given(argv, "--zero-bubble-ilp-time-limit") and schedule != "zb-auto":
+        chosen = flag or "megatron's own schedule"
+        raise StartupRefusal(f"--zero-bubble-ilp-time-limit bounds the ILP of zb-auto's planner, which {chosen} does "
+                             f"not use; drop the flag")
     if schedule is None:
         return None
     options = check_zero_bubble(args, schedule, flag)
