@@ -24,7 +24,8 @@ megatron DDP as DDP's hook does (into `main_grad`, unless TE accumulated there a
 does (added to `.grad`). Readiness for `--overlap-grad-reduce` goes the local layers' way: the store reports each
 parameter after its last microbatch's work (megatron's `register_grad_ready`); during a B pass megatron DDP's own
 hook for these parameters is kept quiet (it would find no gradient, or TE's placeholder, and count it ready; under
---overlap-grad-reduce it asserts a gradient), and TE's placeholders are dropped when the B pass ends.
+--overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` (TE's placeholders, a bias
+gradient formed in B) is taken out when the pass ends and handed back to that entry's `backward_dw`, as TE expects.
 
 Version floors (`version_refusal`): 2.3 (the deferral exists); 2.8 without gradient-accumulation fusion (before
 2.8 `backward_dw` assigns `weight.grad` only where it is None, and `GroupedLinear` hands autograd its not yet
@@ -97,18 +98,28 @@ def layer_types() -> tuple:
 class ModuleWgradQueue:
     """TE's WeightGradStore contract for one module, answering "defer?" per pass (see the module docstring).
 
-    store: the chunk's runtime WeightGradStore; backward_dw: the TE class's own (unbound); held: the parameters
-    whose gradient backward_dw computes (weights and biases; a fused layer norm's are computed in B)."""
+    store: the chunk's runtime WeightGradStore; backward_dw: the TE class's own (unbound); held: (name, parameter)
+    of the parameters whose gradient backward_dw may compute (weights and biases; a fused layer norm's come in B).
+
+    TE's backward_dw computes a bias gradient only where `bias.grad` is None, and leaves one B produced (a bias the
+    caller adds, or one B sums for FP8) for its hooks. So each B pass's own gradients of the held parameters are
+    taken out of `.grad` when the pass ends (`end_b`), kept with the pass's first entry, and put back just for that
+    entry's backward_dw: what TE then finds is what its own flow would (a weight's B "gradient" is only ever
+    a placeholder, overwritten in W: dropped)."""
 
     def __init__(self, module, name: str, store, backward_dw, held: list):
         self.module, self.name, self.store = module, name, store
         self._backward_dw = backward_dw
-        self.held = tuple(held)
-        self.cost = sum(p.numel() for p in held)
+        self.held = tuple(param for _, param in held)
+        self._biases = {id(param) for n, param in held if "bias" in n}
+        self.cost = sum(p.numel() for p in self.held)
         self.enabled = True
         self._entries: deque = deque()
         self.puts = self.pops = 0  # entries ever queued and popped: work item n waits for pops > n
         self._draining = False
+        self._outside_b: dict = {}  # .grad of the held parameters from before the B pass now running
+        self._first_of_b = 0  # puts when the B pass now running began
+        self._b_grads: dict[int, dict] = {}  # first entry of a B pass -> that pass's bias gradients
 
     # TE's contract (what its modules call)
     def delay_wgrad_compute(self) -> bool:
@@ -149,7 +160,24 @@ class ModuleWgradQueue:
     def assert_empty(self) -> None:
         assert not self._entries, f"Queue is not empty ({self.name}: {len(self._entries)} entries)"
 
-    # the runtime's side
+    # the runtime's side: B passes
+    def begin_b(self) -> None:
+        self._first_of_b = self.puts
+        self._outside_b = {p: p.grad for p in self.held}
+        for p in self.held:
+            p.grad = None
+
+    def end_b(self) -> None:
+        produced = {p: p.grad for p in self.held if p.grad is not None and id(p) in self._biases}
+        for p in self.held:
+            p.grad = self._outside_b.pop(p)
+        if self.puts > self._first_of_b and produced:
+            self._b_grads[self._first_of_b] = produced
+        else:  # no W entry will come for them: accumulate as B would have
+            for p, grad in produced.items():
+                _accumulate(p, grad)
+
+    # the runtime's side: W
     def run_through(self, entry: int) -> None:
         """TE's backward_dw until queue entry number `entry` has been popped (FIFO: the older ones first)."""
         while self.pops <= entry:
@@ -160,23 +188,32 @@ class ModuleWgradQueue:
                                    f"pending (is its delay_wgrad_compute switched off?)")
 
     def _backward_dw_once(self) -> None:
-        plain = {p: p.grad for p in self.held if getattr(p, "main_grad", None) is None}
-        for p in plain:
-            p.grad = None  # TE assigns bias.grad (and, before 2.8, weight.grad) only where it is None
+        from_b = self._b_grads.pop(self.pops, {})
+        kept = {p: p.grad for p in self.held}
+        for p in self.held:
+            p.grad = from_b.get(p)
         self._draining = True
         try:
-            self._backward_dw(self.module)
+            with torch.no_grad():  # saved activations may require grad; W is not differentiated
+                self._backward_dw(self.module)
         finally:
             self._draining = False
         for p in self.held:
-            new = p.grad
-            if p in plain:  # autograd's accumulation: the first gradient is taken, later ones are added
-                old = plain[p]
-                p.grad = new if old is None else (old if new is None else old.add_(new))
-            elif new is not None:  # megatron DDP's hook: into main_grad unless TE accumulated there already
-                if not getattr(p, "grad_added_to_main_grad", False):
-                    p.main_grad.add_(new.data)
-                p.grad = None
+            new, p.grad = p.grad, kept[p]
+            if new is not None:
+                _accumulate(p, new)
+
+
+def _accumulate(param, grad) -> None:
+    """Where megatron's fused backward puts a gradient: with megatron DDP what its hook does (into main_grad
+    unless TE accumulated there already), otherwise what autograd does (the first is taken, later ones added)."""
+    if getattr(param, "main_grad", None) is not None:
+        if not getattr(param, "grad_added_to_main_grad", False):
+            param.main_grad.add_(grad.data)
+    elif param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 class TEModuleWeightGrad:
@@ -205,7 +242,7 @@ def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: b
     """Switch every TE module of `module` (instances of `kinds`) to a ModuleWgradQueue feeding `store`; returns
     (the parameters whose gradients now come in W, the PatchSet whose restore() switches them back).
     check_version: refuse what the installed TE cannot do (off for a stand-in's kinds in tests)."""
-    patches, held_all = PatchSet(f"te_wgrad ({store.name})"), []
+    patches, queues = PatchSet(f"te_wgrad ({store.name})"), []
     if check_version:
         _check_version(module, kinds)
     try:
@@ -213,19 +250,20 @@ def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: b
             kind = next((k for k in kinds if isinstance(layer, k)), None)
             if kind is None or type(layer).__name__ in KEEP_IN_B:
                 continue
-            held = [p for n, p in layer.named_parameters(recurse=False)
+            held = [(n, p) for n, p in layer.named_parameters(recurse=False)
                     if p.requires_grad and not n.startswith("layer_norm")]
             if not held:
                 continue
             _check_switchable(layer, name, store)
             queue = ModuleWgradQueue(layer, name or type(layer).__name__, store, kind.backward_dw, held)
             patches.replace(layer, "wgrad_store", queue)
-            held_all.extend(held)
+            queues.append(queue)
     except BaseException:
         patches.restore()
         raise
-    if held_all and hasattr(module, "param_to_bucket_group"):
-        store.around_b_passes(_quiet_ddp_hooks(module, set(held_all)))
+    held_all = [p for queue in queues for p in queue.held]
+    if queues:
+        store.around_b_passes(_b_pass_scope(queues, module if hasattr(module, "param_to_bucket_group") else None))
     return held_all, patches
 
 
@@ -254,24 +292,29 @@ def _check_switchable(layer, name: str, store) -> None:
 _MISSING = object()
 
 
-def _quiet_ddp_hooks(ddp, held: set):
-    """A context for B passes in which megatron DDP's per-parameter hook skips `held` (their gradients arrive in
-    W, whose store reports them ready; DDP's hook reads `param_to_bucket_group` when it fires). On leaving it
-    drops the placeholders TE returned for weights it accumulates into main_grad itself, as DDP's hook would."""
+def _b_pass_scope(queues: list, ddp):
+    """What each B pass of a chunk with TE modules runs in: every queue's begin_b / end_b and, for a megatron DDP
+    chunk, DDP's per-parameter hook skipping the held parameters (their gradients arrive in W, whose store reports
+    them ready; the hook reads `param_to_bucket_group` when it fires, and would count a parameter ready without
+    its gradient, or, under --overlap-grad-reduce, assert one)."""
+    held = {p for queue in queues for p in queue.held}
     cache: dict = {}
 
     @contextmanager
-    def quiet():
-        full = ddp.param_to_bucket_group
-        if cache.get("full") is not full:
-            cache.update(full=full, quiet={p: g for p, g in full.items() if p not in held})
-        ddp.param_to_bucket_group = cache["quiet"]
+    def scope():
+        full = ddp.param_to_bucket_group if ddp is not None else None
+        if ddp is not None:
+            if cache.get("full") is not full:
+                cache.update(full=full, quiet={p: g for p, g in full.items() if p not in held})
+            ddp.param_to_bucket_group = cache["quiet"]
+        for queue in queues:
+            queue.begin_b()
         try:
             yield
         finally:
-            ddp.param_to_bucket_group = full
-            for param in held:
-                if getattr(param, "grad_added_to_main_grad", False):
-                    param.grad = None
+            if ddp is not None:
+                ddp.param_to_bucket_group = full
+            for queue in queues:
+                queue.end_b()
 
-    return quiet
+    return scope

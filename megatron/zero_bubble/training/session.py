@@ -26,6 +26,7 @@ class ZeroBubbleSession:
     observer: Callable | None = None  # iteration.PassObserver of every pass (fixed plans)
     current_iteration: Callable[[], int] | None = None  # megatron's iteration counter (re-planning)
     log: Callable[[str], None] = print  # one line on rank 0 (re-planning)
+    te_layer_types: tuple | None = None  # Transformer Engine classes to split (None: TE's own; tests: a stand-in's)
     pipeline: object = field(default=None, init=False)  # what get_forward_backward_func hands out; None: megatron's
     megatron: object = field(default=None, init=False)  # the adapter, once installed
     _installed: list = field(default_factory=list, init=False, repr=False)
@@ -43,7 +44,7 @@ class ZeroBubbleSession:
                 self._install(vshape_layout, self.v_stages)
             if self.bucket_every_stage:
                 self._install(ddp_bucketing)
-            self.megatron = MegatronAdapter()
+            self.megatron = MegatronAdapter(te_layer_types=self.te_layer_types)
             self.pipeline = self._build_pipeline()
             if self.pipeline is not None:
                 self._install(schedule_selection, self.pipeline)
