@@ -134,6 +134,11 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (takes_value, why) in UNSUPPORTED_FLAGS.items():
         group.add_argument(flag, **({"metavar": "VALUE"} if takes_value else {"action": "store_true"}),
                            help=f"Known from another implementation, refused here: {why.replace('%', '%%')}.")
+    group.add_argument("--no-zero-bubble-split-check", dest="zero_bubble_split_check", action="store_false",
+                       help="Skip the split check at start-up (on by default with a schedule that splits the "
+                       "backward: before the first iteration each rank runs one microbatch of each of its model "
+                       "chunks fused and split into B and W on its real layers and stops the run if any gradient "
+                       "differs in any bit).")
     group.add_argument("--enable-optimizer-post-validation", action="store_true",
                        help="No cross-stage synchronisation before the optimizer step: each stage steps "
                        "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "
