@@ -50,8 +50,9 @@ def _set_up(device: str) -> None:
                                world_size=1)
     from megatron.core import parallel_state, tensor_parallel
 
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
 def build_layer(impl: str, hidden: int, heads: int, dtype: torch.dtype, device: str):
@@ -100,6 +101,7 @@ def measure(impl: str, hidden: int, heads: int, micro_batch: int, seq: int, dtyp
     dy = torch.randn(seq, micro_batch, hidden, generator=generator).to(device, dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     names = [name for name, _ in layer.named_parameters()]
+    deferred = len(store.weights)
     times = {"fused": [], "b": [], "w": []}
     grads = {}
     try:
@@ -133,7 +135,7 @@ def measure(impl: str, hidden: int, heads: int, micro_batch: int, seq: int, dtyp
             "fused_ms": [t * 1e3 for t in times["fused"]], "split_ms": [t * 1e3 for t in split_times],
             "b_ms": [t * 1e3 for t in times["b"]], "w_ms": [t * 1e3 for t in times["w"]],
             "ratio": statistics.median(split_times) / statistics.median(times["fused"]),
-            "deferred": len(store.weights), "bit_identical": not different, "first_difference": different[:1]}
+            "deferred": deferred, "bit_identical": not different, "first_difference": different[:1]}
 
 
 def _spread(values: list[float]) -> float:

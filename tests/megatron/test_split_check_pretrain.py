@@ -1,6 +1,7 @@
-"""The split check through pretrain_gpt.py (torchrun, 2 ranks, PP=2, CPU): on by default with a split schedule, one
-line on rank 0; a deliberately wrong W (tests/megatron/split_check_wrong_w_driver.py) stops the run with exit
-status 2 and one line naming the layer, no traceback."""
+"""The split check through pretrain_gpt.py (torchrun, 2 ranks, PP=2, CPU): a deliberately wrong W
+(tests/megatron/split_check_wrong_w_driver.py) stops the run with exit status 2 and one line naming the layer, no
+traceback of a rank. (That it passes by default with one line on rank 0 is checked by tests/test_gpu_check.py's run
+on CPU, and that it leaves training as it was by every run of test_pretrain_gpt.py.)"""
 from __future__ import annotations
 
 import os
@@ -29,20 +30,13 @@ def _torchrun(script: str, flags: list[str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_pretrain_gpt_runs_the_split_check_by_default_and_logs_one_line():
-    done = _torchrun("pretrain_gpt.py", TINY)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("zero-bubble: split check")]
-    assert len(lines) == 1 and lines[0].startswith("zero-bubble: split check: passed, 17 layers split into B and W "
-                                                   "on 2 ranks"), lines
-
-
-@pytest.mark.slow
 def test_a_wrong_w_stops_pretrain_gpt_with_one_line_naming_the_layer():
     done = _torchrun("tests/megatron/split_check_wrong_w_driver.py", TINY)
     errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert done.returncode != 0 and len(errors) == 1, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr + done.stdout
+    # no rank's traceback (torchrun's own report that its processes exited with code 2 follows the line)
+    assert "exitcode  : 2" in done.stderr and "SplitCheckFailed" not in done.stderr + done.stdout
+    assert done.stderr.count("Traceback") == done.stderr.count("ChildFailedError:")
     assert errors[0].startswith("pretrain_gpt.py: error: zero-bubble: split check failed on rank 1, chunk 0: the "
                                 "gradient of decoder.layers.0.mlp.linear_fc1.weight differs between megatron's fused "
                                 "backward and B then W by up to 0.001"), errors[0]

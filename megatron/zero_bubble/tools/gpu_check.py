@@ -158,8 +158,8 @@ def _env(cpu: bool) -> dict:
     return env
 
 
-def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool) -> dict[str, subprocess.CompletedProcess]:
-    """(b): every schedule of SCHEDULES through pretrain_gpt.py on `sizes.gpus` ranks (PP = that)."""
+def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[str]) -> dict[str, subprocess.CompletedProcess]:
+    """(b): megatron's 1F1B and `schedules` (of SCHEDULES) through pretrain_gpt.py on `sizes.gpus` ranks (PP = that)."""
     model = (f"--num-layers {sizes.layers} --hidden-size {sizes.hidden} --num-attention-heads {sizes.heads} "
              f"--seq-length {sizes.seq} --max-position-embeddings {sizes.seq} --micro-batch-size {sizes.micro_batch} "
              f"--global-batch-size {sizes.global_batch} --vocab-size {sizes.vocab} --tokenizer-type NullTokenizer "
@@ -171,10 +171,14 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool) -> dict[str, sub
         model += ["--bf16", "--deterministic-mode", "--transformer-impl", "transformer_engine" if te else "local"]
         if not te:
             model += ["--no-gradient-accumulation-fusion"]
-    timers = ["--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter", "4",
+    start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
+    end = start + max(1, min(3, sizes.iterations - start - 1))
+    timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end),
               "--zero-bubble-ilp-time-limit", "5"]
     runs = {}
     for name, flags in SCHEDULES:
+        if name != "1f1b" and name not in schedules:
+            continue
         extra = [] if name == "1f1b" else timers + ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sizes.gpus),
                    "--master-port", str(_free_port()), "pretrain_gpt.py", *model, *flags, *extra]
@@ -228,16 +232,16 @@ def check_losses(report: Report, runs: dict, sizes: Sizes) -> None:
         report.add("b", f"{name} vs 1F1B, PP={sizes.gpus}", result, not differing)
 
 
-def check_executor(report: Report, out: Path) -> None:
-    traces = sorted((out / "dump-zb-h1").glob("*measured*.trace.json"))
+def check_executor(report: Report, out: Path, schedule: str) -> None:
+    traces = sorted((out / f"dump-{schedule}").glob("*measured*.trace.json"))
     gaps = executor_gaps_us(str(traces[-1])) if traces else []
-    report.add("d", "executor time before a W pass (zb-h1, measured timeline)",
+    report.add("d", f"executor time before a W pass ({schedule}, measured timeline)",
                f"{_spread_text(gaps)} µs over {len(gaps)} passes" if gaps else "no measured timeline", None)
 
 
 def check_memory(report: Report, runs: dict, out: Path, cpu: bool) -> None:
-    if cpu:
-        report.add("e", "peak activation memory vs the planner's", "n/a on CPU (no CUDA memory statistics)", None)
+    if cpu or "zb-auto" not in runs:
+        report.add("e", "peak activation memory vs the planner's", "not measured (needs CUDA and the zb-auto run)", None)
         return
     measured = memory_peaks(runs["zb-auto"].stdout)
     plans = sorted((out / "dump-zb-auto").glob("zb-auto-m*-initial.json"))  # the plan iterations 1-2 ran
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at most 8)")
     parser.add_argument("--iterations", type=int, default=20, help="iterations of (b) (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of (c) (default %(default)s)")
+    parser.add_argument("--schedules", default="zb-h1,zb-auto,zb-v",
+                        help="zero-bubble schedules compared with megatron's 1F1B in (b) (default %(default)s)")
     parser.add_argument("--out", default=None, help="directory for the logs (default: a new temporary one)")
     parser.add_argument("--cpu", action="store_true", help="run every part on CPU, tiny sizes (tests this tool)")
     args = parser.parse_args(argv)
@@ -281,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if gpus >= 2:
         sizes = Sizes(gpus, args.iterations) if not args.cpu else Sizes(gpus, args.iterations, hidden=64, heads=4,
                                                                           seq=32, vocab=128)
-        runs = pretrain_runs(sizes, out, args.cpu, te)
+        runs = pretrain_runs(sizes, out, args.cpu, te, args.schedules.split(","))
         check_losses(report, runs, sizes)
-        check_executor(report, out)
+        check_executor(report, out, next(name for name in runs if name != "1f1b"))
         check_memory(report, runs, out, args.cpu)
     else:
         report.add("b", "1F1B vs zb-h1, zb-auto, zb-v", "not run: pipeline parallelism needs 2 GPUs or more", None)
