@@ -148,7 +148,9 @@ class ModuleWgradQueue:
                                f"WeightGradStore {self.store.name!r}")
         self._entries.append((tensor_list, func))
         self.puts += 1
-        self.store.defer(TEModuleWeightGrad(self, self.puts - 1, _nbytes(tensor_list)))
+        # what the entry keeps alive (M_W): not the gradient buffers it accumulates into (GroupedLinear's fused W)
+        own = {t.data_ptr() for p in self.held for t in (p, getattr(p, "main_grad", None)) if t is not None}
+        self.store.defer(TEModuleWeightGrad(self, self.puts - 1, _nbytes(tensor_list, own)))
 
     def pop(self):
         if not self._entries:
@@ -229,11 +231,11 @@ class TEModuleWeightGrad:
         self.queue.run_through(self.entry)
 
 
-def _nbytes(value) -> int:
+def _nbytes(value, exclude: set) -> int:
     if torch.is_tensor(value):
-        return value.numel() * value.element_size()
+        return 0 if value.data_ptr() in exclude else value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(item) for item in value)
+        return sum(_nbytes(item, exclude) for item in value)
     return 0
 
 
