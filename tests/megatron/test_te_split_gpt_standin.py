@@ -9,6 +9,7 @@ optimizer, main_grad fusion, MoE experts, ZB-V, and optimizer post-validation wi
 """
 import dataclasses
 import functools
+import statistics
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ class Case:
     steps: int = 3
     post_validation: bool = False  # with clipping that rolls steps back (exact rollback)
     clip: float = 0.0
+    slow_wgrad_s: float = 0.0  # > 0: every stand-in weight-gradient GEMM takes this much longer; passes are timed
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,6 +69,8 @@ def _train(case: Case, session, te_standin) -> dict:
     from megatron.zero_bubble.schedules.planners import layout_of
 
     harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
+    if case.slow_wgrad_s:
+        _slow_down_wgrad(te_standin, case.slow_wgrad_s)
     chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
     swapped = sum(te_standin.swap_in_standins(chunk, case.fuse) for chunk in chunks)
     if case.ddp:
@@ -94,6 +98,8 @@ def _train(case: Case, session, te_standin) -> dict:
         if optimizer is not None:
             optimizer.zero_grad()
         observer = (lambda p, start, end: reductions.append(("pass", p.op.value))) if case.overlap else None
+        if case.slow_wgrad_s:
+            observer = lambda p, start, end: reductions.append(("timed", p.op.value, end - start))  # noqa: E731
         if session.executor is not None:
             session.executor.observer = observer
         step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m)
@@ -110,6 +116,24 @@ def _train(case: Case, session, te_standin) -> dict:
             "params": harness.full_params(chunks), "swapped": swapped, "events": list(reductions),
             "split_weights": sum(len(store.weights) for store in stores),
             "rollbacks": controller.rollbacks if controller is not None else 0}
+
+
+def _slow_down_wgrad(te_standin, seconds: float) -> None:
+    """Every weight-gradient GEMM of the stand-in sleeps `seconds` first (in this forked rank only)."""
+    import time
+
+    make = te_standin._wgrad_gemm
+
+    def slow_make(*args):
+        gemm = make(*args)
+
+        def slow(x, dy):
+            time.sleep(seconds)
+            return gemm(x, dy)
+
+        return slow
+
+    te_standin._wgrad_gemm = slow_make
 
 
 def _logged(function, events: list, event: tuple):
@@ -136,6 +160,7 @@ CASES = [
     Case("pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", ddp=False, steps=1),
     Case("pp2xdp2/megatron/clip", Layout(pp=2), None, clip=0.6, steps=4),
     Case("pp2xdp2/zb-h1/post-validation", Layout(pp=2), "zb-h1", clip=0.6, steps=4, post_validation=True),
+    Case("pp2xdp2/zb-h1/slow-wgrad", Layout(pp=2), "zb-h1", ddp=False, steps=1, slow_wgrad_s=0.02),
 ]
 
 
@@ -183,3 +208,15 @@ def test_overlapped_reduction_starts_each_bucket_once_the_first_while_w_passes_r
 @pytest.mark.slow
 def test_post_validation_rolled_back_and_replayed_with_standin_te_layers(reports):
     assert any(r["rollbacks"] for r in reports["pp2xdp2/zb-h1/post-validation"])
+
+
+def test_the_measured_w_passes_hold_the_standin_te_layers_weight_gradients(reports):
+    """What re-planning measures as T_W (the executor's observed W passes) is where TE's deferred GEMMs run: with each
+    stand-in GEMM 20 ms slower, every W pass takes at least its 8 GEMMs (2 layers x 4 linear layers per rank), and B
+    passes, which only queue them, take less."""
+    for report in reports["pp2xdp2/zb-h1/slow-wgrad"]:
+        timed = [(op, seconds) for kind, op, seconds in (e for e in report["events"] if e[0] == "timed")]
+        w = [seconds for op, seconds in timed if op == "W"]
+        b = [seconds for op, seconds in timed if op == "B"]
+        assert len(w) == 4 and min(w) >= 8 * 0.02
+        assert b and statistics.median(b) < min(w)
