@@ -31,8 +31,9 @@ Version floors (`version_refusal`): 2.3 (the deferral exists); 2.8 without gradi
 2.8 `backward_dw` assigns `weight.grad` only where it is None, and `GroupedLinear` hands autograd its not yet
 computed gradient buffer in B, so what B left would stand in for W's result). Megatron asks 2.8 for
 `--overlap-grad-reduce` with its own deferral because its DDP hooks run from TE's hooks; ours do not.
-Not split: TE modules with Userbuffers tensor-parallel overlap (TE refuses to defer there), megatron's
-`TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE's operation-based modules (`te.pytorch.ops`).
+Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split (their
+W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B) and TE's
+operation-based modules (`te.pytorch.ops`).
 """
 from __future__ import annotations
 
