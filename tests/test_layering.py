@@ -86,7 +86,7 @@ def test_the_layering_test_sees_an_import_inside_a_function(tmp_path):
     assert _megatron_imports(module) == {("megatron.core.utils", "get_model_config"), ("megatron.core", None)}
 
 
-def test_the_adapter_imports_only_the_patch_base_and_the_linear_split():
+def test_the_adapter_imports_only_the_patch_base_and_the_linear_splits():
     imports = _our_imports(PACKAGE / "patches" / "megatron_adapter.py")
-    assert imports and all(m.startswith(("patches._patching.", "patches.linear_wgrad")) or m == "patches.linear_wgrad"
-                           for m in imports), imports
+    splits = ("patches.linear_wgrad", "patches.te_wgrad")
+    assert imports and all(m.startswith(("patches._patching.",) + splits) or m in splits for m in imports), imports

@@ -50,11 +50,16 @@ def _modules() -> SimpleNamespace:
 
 
 class MegatronAdapter:
-    """megatron-core as the runtime sees it (see the module docstring)."""
+    """megatron-core as the runtime sees it (see the module docstring).
 
-    def __init__(self):
+    te_layer_types: the Transformer Engine module classes whose weight gradients are split through their own
+    deferral (patches/te_wgrad.py); None: those of the TE megatron imported, version-checked (tests hand a
+    stand-in's classes, unchecked)."""
+
+    def __init__(self, te_layer_types: tuple | None = None):
         check_megatron_core_version()
         self._m = _modules()
+        self._te_layer_types = te_layer_types
 
     # -- one pipeline pass, as megatron's own schedules run it ------------------------------------------
     def model_config(self, chunk):
@@ -151,14 +156,33 @@ class MegatronAdapter:
     def set_rng_tracker_states(self, states: dict) -> None:
         self._m.random.get_cuda_rng_tracker().set_states({name: s.clone() for name, s in states.items()})
 
-    # -- the B/W split of megatron's own linear layers (linear_wgrad.py) ---------------------------------
+    # -- the B/W split: megatron's own linear layers (linear_wgrad.py), Transformer Engine's (te_wgrad.py) --
     def split_linear_layers(self, module, store):
-        """Hand `store` to every tensor-parallel linear layer of `module` that owns a trainable weight, so that
-        its weight gradient goes to the store; returns (weights, undo) (linear_wgrad.split_layers)."""
-        from . import linear_wgrad
+        """Hand `store` the weight gradients of `module`'s layers: every tensor-parallel linear layer of megatron
+        that owns a trainable weight, and every Transformer Engine linear module (through TE's own deferral);
+        returns (the parameters whose gradients now come in W, undo)."""
+        from . import linear_wgrad, te_wgrad
 
         layer_types = (self._m.layers.ColumnParallelLinear, self._m.layers.RowParallelLinear)
-        return linear_wgrad.split_layers(module, store, layer_types)
+        weights, local = linear_wgrad.split_layers(module, store, layer_types)
+        given = self._te_layer_types is not None
+        kinds = self._te_layer_types if given else te_wgrad.layer_types()
+        if not kinds:
+            return weights, local
+        try:
+            te_params, te = te_wgrad.split_modules(module, store, kinds, check_version=not given)
+        except BaseException:
+            local.restore()
+            raise
+        return weights + te_params, _Undo((te, local))
+
+    def transformer_engine_layers(self, module) -> list:
+        """The Transformer Engine modules of `module` whose weight gradients split_linear_layers defers."""
+        from . import te_wgrad
+
+        kinds = self._te_layer_types if self._te_layer_types is not None else te_wgrad.layer_types()
+        return [layer for layer in module.modules() if kinds and isinstance(layer, kinds)
+                and type(layer).__name__ not in te_wgrad.KEEP_IN_B]
 
     # -- the optimizer step, kept stage-local (post-validation) ------------------------------------------
     @staticmethod
@@ -205,6 +229,17 @@ class MegatronAdapter:
                                data_parallel=ps.get_data_parallel_group(with_context_parallel=True),
                                in_stage=[ps.get_tensor_model_parallel_group,
                                          ps.get_expert_tensor_and_model_parallel_group, lambda: stage])
+
+
+class _Undo:
+    """Several undos as one (restored in order)."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def restore(self) -> None:
+        for part in self.parts:
+            part.restore()
 
 
 def _require(owner, name: str):

@@ -19,6 +19,7 @@ from .iteration import Iteration, IterationStats, LoweredRun, PassObserver, Step
 from .megatron_passes import MegatronPasses, MegatronRun
 from .p2p import PipelineTransport, current_device
 from .replay import Rewind
+from .split_check import ChunkRun, SplitCheck, fixed_input, keep_attributes
 from .wgrad_store import WeightGradStore
 
 __all__ = ["IterationStats", "PipelineExecutor", "StepValidation"]
@@ -37,13 +38,16 @@ class PipelineExecutor:
     so its lowering is computed once). megatron: the adapter to megatron-core. observer, when set, sees
     every pass of every call with its start and end (iteration.PassObserver; observing synchronises the
     device, so pass one only for profiling); a call may pass its own (`pass_observer=`). post_validation,
-    when attached, is the StepValidation whose optimizer step the schedules' S and V passes serve.
+    when attached, is the StepValidation whose optimizer step the schedules' S and V passes serve. split_check,
+    when given, runs once before the first training call of a split schedule (split_check.py).
     """
 
-    def __init__(self, plan_for: Callable[[int], Schedule], megatron, observer: PassObserver | None = None):
+    def __init__(self, plan_for: Callable[[int], Schedule], megatron, observer: PassObserver | None = None,
+                 split_check: SplitCheck | None = None):
         self.plan_for = plan_for
         self.megatron = megatron
         self.observer = observer
+        self.split_check = split_check
         self.post_validation: StepValidation | None = None
         self.stores: list[WeightGradStore] = []
         self._attached_to: tuple | None = None  # (ids of the chunks, split) the stores were made for
@@ -116,6 +120,34 @@ class PipelineExecutor:
             raise ScheduleError(
                 f"the schedule '{schedule.name}' has S and V passes but optimizer post-validation is off")
 
+    def _check_split(self, check: SplitCheck, schedule: Schedule, rank: int, stores: list, run: MegatronRun, shape,
+                     device) -> list:
+        """The split check (split_check.py) on this rank's chunks; returns the data iterators for the iteration (the
+        check's, rewound: the iteration reads the same microbatches)."""
+        chunks, config = run.chunks, run.config
+        rewind = Rewind(run.iterators, self.megatron, self.megatron.forward_accumulators(chunks))
+        run.iterators = rewind.iterators
+        last = schedule.num_virtual_stages - 1
+        runs = []
+        for k in range(len(chunks)):
+            vs = schedule.virtual_stage(rank, k)
+            runs.append(ChunkRun(k, vs, vs == last,
+                                 None if vs == 0 else fixed_input(shape, config.pipeline_dtype, device, k)))
+        flags = keep_attributes(chunks, "is_first_microbatch")
+        timers, config.timers = config.timers, None
+
+        def restore_extra() -> None:
+            flags()
+            config.timers = timers
+
+        for store in stores:
+            store.grad_ready = None  # nothing is reported ready: the check's backward passes run in no_sync
+        result = check.run(MegatronPasses(self.megatron, run, device), stores, chunks, runs,
+                           lambda chunk: {n: p for n, p in chunk.named_parameters() if p.requires_grad}, rewind,
+                           restore_extra)
+        check.conclude(result)
+        return rewind.iterators
+
     # -- the megatron-compatible entry ---------------------------------------------------------------
     def __call__(
         self,
@@ -154,14 +186,20 @@ class PipelineExecutor:
             validation.flush()  # evaluation must see validated weights
         rank = pp_group.rank()
         lowered = self._lowered_run(schedule, forward_only)
+        shape = self.megatron.pipeline_tensor_shape(config, pg_collection, seq_length, micro_batch_size,
+                                                    decoder_seq_length)
+        device = current_device()
+        stores = self._stores_for(chunks, schedule.uses_split_backward())
+        check = self.split_check
+        if check is not None and not check.done and not forward_only and schedule.uses_split_backward():
+            iterators = self._check_split(check, schedule, rank, stores, MegatronRun(
+                forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(), False, False,
+                first_val_step, pg_collection, force_all_reduce), shape, device)
         rollback = lowered.rollback(rank)
         rewind = None
         if rollback is not None and validation.has_pending:  # the V pass may ask for a replay
             rewind = Rewind(iterators, self.megatron, self.megatron.forward_accumulators(chunks))
             iterators = rewind.iterators
-        shape = self.megatron.pipeline_tensor_shape(config, pg_collection, seq_length, micro_batch_size,
-                                                    decoder_seq_length)
-        device = current_device()
         run = MegatronRun(forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(),
                           forward_only, collect_non_loss_data, first_val_step, pg_collection, force_all_reduce)
         iteration = Iteration(
@@ -170,7 +208,7 @@ class PipelineExecutor:
             transport=PipelineTransport(pp_group, shape, config.pipeline_dtype, device,
                                         validation_numel=validation.size if validation else 0,
                                         token_counts=validation is not None and config.calculate_per_token_loss),
-            stores=self._stores_for(chunks, schedule.uses_split_backward()), validation=validation,
+            stores=stores, validation=validation,
             rollback=rollback, rewind=rewind, observer=pass_observer or self.observer,
         )
         if config.timers is not None:

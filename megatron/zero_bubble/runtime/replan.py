@@ -43,12 +43,12 @@ class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
     def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], megatron,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, split_check=None):
         self.settings = settings
         self.current_iteration = current_iteration
         self.megatron = megatron  # patches.megatron_adapter.MegatronAdapter
         self.log = log  # one line; the caller prints it on global rank 0 only
-        self.executor = PipelineExecutor(self.plan_for, megatron)
+        self.executor = PipelineExecutor(self.plan_for, megatron, split_check=split_check)  # split_check.SplitCheck
         self.planner = RankZeroPlanner(settings, log)
         self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profiler: Profiler | None = None

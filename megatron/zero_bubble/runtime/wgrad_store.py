@@ -1,9 +1,14 @@
-"""Deferred weight-gradient work of one model chunk: the W passes of zero-bubble schedules.
+"""The W work of one model chunk, whoever holds it: the W passes of zero-bubble schedules.
 
 Zero-bubble schedules split a layer's backward into B (gradient w.r.t. the input, on the critical
-path, time T_B) and W (gradient w.r.t. the weights, time T_W, movable into bubbles). The patched linear
-layers (`patches/linear_wgrad.py`) hand their weight-gradient work to `hand_over()`: while a B pass runs
-inside `split_backward()` it is deferred, otherwise (a fused BW pass) it runs at once. `close_microbatch(mb)`
+path, time T_B) and W (gradient w.r.t. the weights, time T_W, movable into bubbles). The runtime asks a
+chunk's store for "the W work of microbatch i" and never needs to know who holds it. Two kinds of layer
+hand their work in, both through the adapter's `split_linear_layers` (see `attach`):
+- megatron's own linear layers (`patches/linear_wgrad.py`) hand their weight-gradient work to `hand_over()`:
+  while a B pass runs inside `split_backward()` it is deferred, otherwise (a fused BW pass) it runs at once;
+- Transformer Engine's modules (`patches/te_wgrad.py`) keep their own per-module FIFO (`delay_wgrad_compute`)
+  and `defer()` one work item per entry their backward queues during a B pass; running it calls the
+  module's `backward_dw()`, which pops that module's oldest entry. In a BW pass they compute at once. `close_microbatch(mb)`
 files the deferred work under the microbatch; the W pass calls `run_next(mb)`, which runs the oldest filed
 microbatch (FIFO) and checks it is `mb`. Until then the work keeps its input activation and output gradient
 alive: that is M_W, reported by `pending_bytes`.
@@ -23,7 +28,7 @@ state, which autograd's CUDA backward thread would not see.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from itertools import accumulate
 from typing import Callable, Iterator, Protocol
 
@@ -33,12 +38,24 @@ from ..schedules.schedule import ScheduleError
 
 
 class DeferredWork(Protocol):
-    """One deferred weight-gradient computation (one linear layer, one microbatch)."""
+    """One deferred weight-gradient computation (one linear layer, one microbatch).
+
+    Optional attributes: `params`, the parameters whose gradient it completes (default: `weight` alone; a
+    Transformer Engine module's W computes its biases too) and `cost`, its relative cost when the tail is
+    re-cut layer by layer (default: the weight's number of elements)."""
 
     nbytes: int  # memory the work keeps alive until it runs (activations and gradients)
-    weight: torch.nn.Parameter  # the weight whose gradient it accumulates
+    weight: torch.nn.Parameter  # the weight whose gradient it accumulates (its layer's key: FIFO per layer)
 
     def __call__(self) -> None: ...
+
+
+def completed_params(work: DeferredWork) -> tuple:
+    return getattr(work, "params", None) or (work.weight,)
+
+
+def _cost(work: DeferredWork) -> int:
+    return getattr(work, "cost", None) or work.weight.numel()
 
 
 class WeightGradStore:
@@ -59,17 +76,23 @@ class WeightGradStore:
         self._final: set[int] = set()  # ids of the works that complete their weight's gradient
         self._weights: list[torch.nn.Parameter] = []
         self._undo: list = []  # what handed the weights to this store, to undo on release
+        self._b_scopes: list[Callable] = []  # context factories entered around each B pass (attach's holders)
         self._pending_bytes = 0  # kept as work comes and goes: the executor reads it after every pass
 
     # -- ownership -----------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, megatron) -> int:
         """Have the linear layers of `module` hand their weight gradients to this store; returns how many
         weights. megatron: the adapter (patches/megatron_adapter.py), whose `split_linear_layers` knows which
-        layers megatron's and how to reroute them; `detach` undoes it."""
+        layers are megatron's or Transformer Engine's and how to reroute them; `detach` undoes it."""
         weights, undo = megatron.split_linear_layers(module, self)
         self._weights.extend(weights)
         self._undo.append(undo)
         return len(weights)
+
+    def around_b_passes(self, scope: Callable) -> None:
+        """Enter `scope()` (a context manager) around every B pass of this chunk, until `detach`: what a holder
+        of part of the chunk's W needs while its backward defers (attach's callers register it)."""
+        self._b_scopes.append(scope)
 
     def detach(self) -> None:
         """Give every attached weight back: the layers behave as megatron's own again."""
@@ -77,6 +100,7 @@ class WeightGradStore:
         while self._undo:
             self._undo.pop().restore()
         self._weights.clear()
+        self._b_scopes.clear()
 
     @property
     def weights(self) -> tuple[torch.nn.Parameter, ...]:
@@ -95,7 +119,10 @@ class WeightGradStore:
             raise RuntimeError(f"WeightGradStore {self.name!r}: split_backward() is already active")
         self._active = True
         try:
-            yield self
+            with ExitStack() as scopes:
+                for scope in self._b_scopes:
+                    scopes.enter_context(scope())
+                yield self
         finally:
             self._active = False
 
@@ -118,7 +145,8 @@ class WeightGradStore:
             return
         work()
         if self._completing and self.grad_ready is not None:
-            self.grad_ready(work.weight)
+            for param in completed_params(work):
+                self.grad_ready(param)
 
     def defer(self, work: DeferredWork) -> None:
         """Keep the work for a W pass (during B)."""
@@ -151,7 +179,7 @@ class WeightGradStore:
                 per_weight.setdefault(id(work.weight), []).append(work)
         order = [work for works in per_weight.values() for work in works]
         self._final = {id(works[-1]) for works in per_weight.values()}
-        costs = list(accumulate(work.weight.numel() for work in order))
+        costs = list(accumulate(_cost(work) for work in order))
         total, slices, start = (costs[-1] if costs else 0), [], 0
         for k in range(1, len(microbatches) + 1):
             end = start
@@ -199,7 +227,8 @@ class WeightGradStore:
             work()
             if id(work) in self._final:
                 self._final.discard(id(work))
-                self.grad_ready(work.weight)
+                for param in completed_params(work):
+                    self.grad_ready(param)
         return count
 
     # -- accounting ----------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class ZeroBubbleOptions:
     post_validation: bool = False  # speculative optimizer step, validated in the next iteration's V pass
     exact_rollback: bool = False
     device_memory_share: float | None = None  # of the free device memory for the automatic limit; None: default
+    split_check: bool = False  # fused and split compared on the real layers before the first iteration
 
 
 def _dest(flag: str) -> str:
@@ -295,10 +296,13 @@ def _check_memory_share(args) -> None:
 def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
     """Refuse what the chosen schedule cannot run with beyond `check_schedule_flags` (which `check_flags`
     ran already); the options otherwise."""
+    _check_split_check_flag(args, schedule, flag)
     if not _through_runtime(args, schedule):
         return ZeroBubbleOptions(schedule=schedule, through_runtime=False, memory_limit=None, timers_start_iter=0,
                                  timers_end_iter=0, dump_dir=None, ilp_time_limit=0.0)
     _check_runtime(args, flag)
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        check_transformer_engine_split(args, flag)
     limit = args.zero_bubble_max_pending_backward
     if getattr(args, "zero_bubble_v_schedule_mem_setup", None) is not None:
         limit = mem_setup_limit(args.zero_bubble_v_schedule_mem_setup, args.pipeline_model_parallel_size)
@@ -308,9 +312,36 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
         dump_dir=args.zero_bubble_dump_schedule, ilp_time_limit=args.zero_bubble_ilp_time_limit,
         device_memory_share=None if args.zero_bubble_adaptive_memory_limit_percentile is None
         else args.zero_bubble_adaptive_memory_limit_percentile / 100,
+        split_check=schedule in SPLIT_BACKWARD_SCHEDULES and getattr(args, "zero_bubble_split_check", True),
     )
     _try_planning(args, options, flag)
     return options
+
+
+def _check_split_check_flag(args, schedule: str | None, flag: str | None) -> None:
+    if getattr(args, "zero_bubble_split_check", True) or schedule in SPLIT_BACKWARD_SCHEDULES:
+        return
+    runs = f"{flag} does not split the backward" if schedule is not None else "no zero-bubble schedule is chosen"
+    raise StartupRefusal(f"--no-zero-bubble-split-check has no effect: {runs}; drop --no-zero-bubble-split-check")
+
+
+def check_transformer_engine_split(args, flag: str) -> None:
+    """What splitting Transformer Engine's layers into B and W needs (patches/te_wgrad.py): a TE version that
+    defers its weight gradients, and none of the TE features that cannot defer them."""
+    if getattr(args, "transformer_impl", "local") != "transformer_engine":
+        return
+    from ..patches import te_wgrad
+
+    reason = te_wgrad.version_refusal(te_wgrad.installed_version(), args.gradient_accumulation_fusion)
+    if reason is not None:
+        raise StartupRefusal(f"{flag} with --transformer-impl transformer_engine: {reason}; upgrade transformer-engine "
+                             f"or use --transformer-impl local")
+    if getattr(args, "tp_comm_overlap", False):
+        raise StartupRefusal(f"--tp-comm-overlap does not work with {flag} on Transformer Engine layers (TE does not "
+                             f"defer weight gradients with its Userbuffers overlap); drop --tp-comm-overlap")
+    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
+        raise StartupRefusal(f"--cuda-graph-impl {args.cuda_graph_impl} does not work with {flag} (a captured backward "
+                             f"would replay one pass's choice of deferring the weight gradients); drop --cuda-graph-impl")
 
 
 def _refuse_runtime_only_flags(args, reason: str) -> None:
@@ -421,6 +452,7 @@ def check_flags(args) -> tuple[str | None, str | None]:
             raise StartupRefusal("--enable-optimizer-post-validation needs a zero-bubble runtime schedule; add "
                                  "--enable-zero-bubble (or --pipeline-schedule zb-h1 / zb-h2) or drop the flag")
         _refuse_runtime_only_flags(args, "no zero-bubble schedule is chosen; add --enable-zero-bubble or drop")
+        _check_split_check_flag(args, None, None)
     else:
         check_schedule_flags(args, schedule, flag)
     return schedule, flag

@@ -131,9 +131,14 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                            help=f"Known from another implementation, refused here: {why.replace('%', '%%')}.")
     group.add_argument("--allow-padding-num-layers", action="store_true",
                        help="Let --num-layers not divide into the virtual stages (p, or p x model chunks; 2p for "
-                       "ZB-V): every stage gets ceil(L / stages) layers but the stages at both ends of the model, "
-                       "which also hold the embedding and the LM head, one less each in turn; megatron gets it as "
-                       "the equivalent --pipeline-model-parallel-layout (so not together with a layout flag).")
+                       "ZB-V): the layers that do not divide go to the middle stages first, so the stages at both "
+                       "ends of the model, which also hold the embedding and the LM head, get the fewest; megatron "
+                       "gets it as the equivalent --pipeline-model-parallel-layout (so not with a layout flag).")
+    group.add_argument("--no-zero-bubble-split-check", dest="zero_bubble_split_check", action="store_false",
+                       help="Skip the split check at start-up (on by default with a schedule that splits the "
+                       "backward: before the first iteration each rank runs one microbatch of each of its model "
+                       "chunks fused and split into B and W on its real layers and stops the run if any gradient "
+                       "differs in any bit).")
     group.add_argument("--enable-optimizer-post-validation", action="store_true",
                        help="No cross-stage synchronisation before the optimizer step: each stage steps "
                        "speculatively on the partial grad-norm/inf sums of the stages before it; the full sums "

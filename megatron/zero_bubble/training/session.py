@@ -26,6 +26,8 @@ class ZeroBubbleSession:
     observer: Callable | None = None  # iteration.PassObserver of every pass (fixed plans)
     current_iteration: Callable[[], int] | None = None  # megatron's iteration counter (re-planning)
     log: Callable[[str], None] = print  # one line on rank 0 (re-planning)
+    te_layer_types: tuple | None = None  # Transformer Engine classes to split (None: TE's own; tests: a stand-in's)
+    split_check: bool = False  # fused against split on the real layers before the first training call (split_check.py)
     pipeline: object = field(default=None, init=False)  # what get_forward_backward_func hands out; None: megatron's
     megatron: object = field(default=None, init=False)  # the adapter, once installed
     _installed: list = field(default_factory=list, init=False, repr=False)
@@ -43,7 +45,7 @@ class ZeroBubbleSession:
                 self._install(vshape_layout, self.v_stages)
             if self.bucket_every_stage:
                 self._install(ddp_bucketing)
-            self.megatron = MegatronAdapter()
+            self.megatron = MegatronAdapter(te_layer_types=self.te_layer_types)
             self.pipeline = self._build_pipeline()
             if self.pipeline is not None:
                 self._install(schedule_selection, self.pipeline)
@@ -53,14 +55,18 @@ class ZeroBubbleSession:
         return self
 
     def _build_pipeline(self):
+        from ..runtime.split_check import SplitCheck
+
+        check = SplitCheck(self.log) if self.split_check else None
         if self.schedule_for is not None:
             from ..runtime.executor import PipelineExecutor
 
-            return PipelineExecutor(self.schedule_for, self.megatron, observer=self.observer)
+            return PipelineExecutor(self.schedule_for, self.megatron, observer=self.observer, split_check=check)
         if self.plan_settings is not None:
             from ..runtime.replan import ReplanningPipeline
 
-            return ReplanningPipeline(self.plan_settings, self.current_iteration, self.megatron, log=self.log)
+            return ReplanningPipeline(self.plan_settings, self.current_iteration, self.megatron, log=self.log,
+                                      split_check=check)
         return None
 
     def on_optimizer_built(self, attach: Callable) -> None:

@@ -95,15 +95,22 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         yield None
         return
     settings = plan_settings(args, options)
+    from ..patches import te_wgrad  # here, not at the top: the entry script imports this module before its early checks
+    from ..runtime.split_check import SplitCheckFailed
+
     split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
     if split_backward and args.transformer_impl == "transformer_engine":
-        _log_on_rank0("zero-bubble: Transformer Engine layers are not split into B and W (their weight gradients "
-                      "run in B, which stays exact); --transformer-impl local defers them into the bubbles")
+        _log_on_rank0(f"zero-bubble: Transformer Engine layers split into B and W through their own deferral "
+                      f"(transformer-engine {te_wgrad.installed_version()}, delay_wgrad_compute and backward_dw)")
     v_stages = args.pipeline_model_parallel_size if layout_of(options.schedule) == "v" else None
     # Every stage ends with W passes whose buckets can start early (megatron buckets the first stage only).
     bucket_every_stage = split_backward and args.overlap_grad_reduce
     with ZeroBubbleSession(plan_settings=settings, current_iteration=_current_iteration, log=_log_on_rank0,
-                           v_stages=v_stages, bucket_every_stage=bucket_every_stage) as session:
+                           v_stages=v_stages, bucket_every_stage=bucket_every_stage,
+                           split_check=options.split_check) as session:
         if options.post_validation:
             session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback, settings))
-        yield session.pipeline
+        try:
+            yield session.pipeline
+        except SplitCheckFailed as failed:  # every rank reached the same verdict: one line, exit status 2
+            arguments.refuse(str(failed))

@@ -1,0 +1,323 @@
+"""B/W split of Transformer Engine's modules through their own deferral (`delay_wgrad_compute`, `backward_dw()`).
+
+What Transformer Engine (TE) offers, read from its sources (2.3 to 2.18): `Linear`, `LayerNormLinear`,
+`LayerNormMLP` and `GroupedLinear` keep a per-module FIFO, `module.wgrad_store` (TE's `WeightGradStore`). When
+its `delay_wgrad_compute()` answers True in backward, the module computes the input gradient, `put`s what the
+weight-gradient GEMM needs (the tensors and the GEMM as a function) and returns no weight gradient (or, when it
+accumulates into `main_grad` itself, `fuse_wgrad_accumulation`, a placeholder and `grad_added_to_main_grad`);
+`module.backward_dw()` pops one entry (LayerNormMLP two: fc2 then fc1), runs the GEMM (into `main_grad` when
+fused, with the accumulate flag B decided) and assigns `weight.grad` (not fused) and `bias.grad` (where it is
+still None); TE >= 2.7 then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks`. Popping an
+empty queue raises "Pop empty queue". TE >= 2.10 adds `need_backward_dw()`; from 2.10 on the forward hands the
+queue to backward only if `delay_wgrad_compute()` answered True in the forward.
+
+How the runtime uses it (`split_modules`, one call per model chunk): each TE module's `wgrad_store` is replaced
+by a `ModuleWgradQueue` (restored by the returned PatchSet), which keeps TE's contract and answers
+`delay_wgrad_compute()` per pass: True in a forward (so that 2.10+ keeps it), True in backward only while the
+chunk's WeightGradStore runs a B pass, and while our W runs `backward_dw()`; False otherwise, so a BW pass (or
+megatron's own schedule on the same layers) is TE's ordinary fused backward. Every entry TE queues during a B
+pass becomes one work item in the chunk's WeightGradStore (runtime/wgrad_store.py), filed under the microbatch
+like the local layers' work: running it calls the TE class's own `backward_dw()` (megatron's wrappers gate theirs
+on `config.delay_wgrad_compute`, which stays off) until that entry is popped, so each module's entries run in
+microbatch order. Then the gradients TE assigned are accumulated where megatron's fused backward puts them: with
+megatron DDP as DDP's hook does (into `main_grad`, unless TE accumulated there already), otherwise as autograd
+does (added to `.grad`). Readiness for `--overlap-grad-reduce` goes the local layers' way: the store reports each
+parameter after its last microbatch's work (megatron's `register_grad_ready`); during a B pass megatron DDP's own
+hook for these parameters is kept quiet (it would find no gradient, or TE's placeholder, and count it ready; under
+--overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` (TE's placeholders, a bias
+gradient formed in B) is taken out when the pass ends and handed back to that entry's `backward_dw`, as TE expects.
+
+Version floors (`version_refusal`): 2.3 (the deferral exists); 2.8 without gradient-accumulation fusion (before
+2.8 `backward_dw` assigns `weight.grad` only where it is None, and `GroupedLinear` hands autograd its not yet
+computed gradient buffer in B, so what B left would stand in for W's result). Megatron asks 2.8 for
+`--overlap-grad-reduce` with its own deferral because its DDP hooks run from TE's hooks; ours do not.
+Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split (their
+W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B) and TE's
+operation-based modules (`te.pytorch.ops`).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from ._patching import PatchError, PatchSet
+
+MIN_VERSION = "2.3"  # delay_wgrad_compute, backward_dw
+MIN_VERSION_UNFUSED = "2.8"  # without main_grad fusion: backward_dw overwrites weight.grad
+SPLIT_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")  # in transformer_engine.pytorch
+KEEP_IN_B = ("TELMHeadColumnParallelLinear",)  # megatron pins its deferral off (its backward_dw does nothing)
+_DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13",
+                  "transformer-engine-cu12")
+
+
+# -- versions ------------------------------------------------------------------------------------------
+def installed_version() -> str | None:
+    """Transformer Engine's version from the package metadata (no import: TE initialises CUDA), or None."""
+    for name in _DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _at_least(version: str, floor: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version).release[:2] >= Version(floor).release[:2]
+    except InvalidVersion:
+        return False
+
+
+def version_refusal(version: str | None, fused_accumulation: bool) -> str | None:
+    """Why this TE version cannot have its layers split into B and W (None: it can); `fused_accumulation`:
+    megatron's --gradient-accumulation-fusion (TE accumulates into main_grad itself)."""
+    if version is None:
+        return "Transformer Engine is not installed"
+    if not _at_least(version, MIN_VERSION):
+        return (f"splitting Transformer Engine's layers into B and W needs transformer-engine >= {MIN_VERSION} "
+                f"(delay_wgrad_compute and backward_dw); {version} is installed")
+    if not fused_accumulation and not _at_least(version, MIN_VERSION_UNFUSED):
+        return (f"splitting Transformer Engine's layers into B and W without --gradient-accumulation-fusion needs "
+                f"transformer-engine >= {MIN_VERSION_UNFUSED} (before it, backward_dw keeps a weight gradient B left "
+                f"in .grad); {version} is installed")
+    return None
+
+
+def layer_types() -> tuple:
+    """TE's module classes that defer (those of SPLIT_KINDS this TE has), if megatron imported TE; else ()."""
+    te = sys.modules.get("transformer_engine.pytorch")
+    return tuple(getattr(te, name) for name in SPLIT_KINDS if hasattr(te, name)) if te is not None else ()
+
+
+# -- one module's queue ----------------------------------------------------------------------------------
+class ModuleWgradQueue:
+    """TE's WeightGradStore contract for one module, answering "defer?" per pass (see the module docstring).
+
+    store: the chunk's runtime WeightGradStore; backward_dw: the TE class's own (unbound); held: (name, parameter)
+    of the parameters whose gradient backward_dw may compute (weights and biases; a fused layer norm's come in B).
+
+    TE's backward_dw computes a bias gradient only where `bias.grad` is None, and leaves one B produced (a bias the
+    caller adds, or one B sums for FP8) for its hooks. So each B pass's own gradients of the held parameters are
+    taken out of `.grad` when the pass ends (`end_b`), kept with the pass's first entry, and put back just for that
+    entry's backward_dw: what TE then finds is what its own flow would (a weight's B "gradient" is only ever
+    a placeholder, overwritten in W: dropped)."""
+
+    def __init__(self, module, name: str, store, backward_dw, held: list):
+        self.module, self.name, self.store = module, name, store
+        self._backward_dw = backward_dw
+        self.held = tuple(param for _, param in held)
+        self._biases = {id(param) for n, param in held if "bias" in n}
+        self.cost = sum(p.numel() for p in self.held)
+        self.enabled = True
+        self._entries: deque = deque()
+        self.puts = self.pops = 0  # entries ever queued and popped: work item n waits for pops > n
+        self._draining = False
+        self._outside_b: dict = {}  # .grad of the held parameters from before the B pass now running
+        self._first_of_b = 0  # puts when the B pass now running began
+        self._b_grads: dict[int, dict] = {}  # first entry of a B pass -> that pass's bias gradients
+
+    # TE's contract (what its modules call)
+    def delay_wgrad_compute(self) -> bool:
+        # a forward (grad mode on) keeps the queue reachable; a backward defers only inside a B pass
+        return self.enabled and (self._draining or self.store.active or torch.is_grad_enabled())
+
+    def enable_delay_wgrad_compute(self) -> None:
+        self.enabled = True
+
+    def disable_delay_wgrad_compute(self) -> None:
+        self.enabled = False
+
+    @property
+    def context(self):  # TE's GroupedLinear.backward_dw reads wgrad_store.context.empty()
+        return self
+
+    def empty(self) -> bool:
+        return not self._entries
+
+    def qsize(self) -> int:
+        return len(self._entries)
+
+    def put(self, tensor_list, func) -> None:
+        if not self.store.active:
+            raise RuntimeError(f"{self.name}: Transformer Engine deferred a weight gradient outside a B pass of "
+                               f"WeightGradStore {self.store.name!r}")
+        self._entries.append((tensor_list, func))
+        self.puts += 1
+        # what the entry keeps alive (M_W): not the gradient buffers it accumulates into (GroupedLinear's fused W)
+        own = {t.data_ptr() for p in self.held for t in (p, getattr(p, "main_grad", None)) if t is not None}
+        self.store.defer(TEModuleWeightGrad(self, self.puts - 1, _nbytes(tensor_list, own)))
+
+    def pop(self):
+        if not self._entries:
+            raise RuntimeError(f"Pop empty queue ({self.name})")
+        tensor_list, func = self._entries.popleft()
+        self.pops += 1
+        return func(*tensor_list), tensor_list
+
+    def assert_empty(self) -> None:
+        assert not self._entries, f"Queue is not empty ({self.name}: {len(self._entries)} entries)"
+
+    # the runtime's side: B passes
+    def begin_b(self) -> None:
+        self._first_of_b = self.puts
+        self._outside_b = {p: p.grad for p in self.held}
+        for p in self.held:
+            p.grad = None
+
+    def end_b(self) -> None:
+        produced = {p: p.grad for p in self.held if p.grad is not None and id(p) in self._biases}
+        for p in self.held:
+            p.grad = self._outside_b.pop(p)
+        if self.puts > self._first_of_b and produced:
+            self._b_grads[self._first_of_b] = produced
+        else:  # no W entry will come for them: accumulate as B would have
+            for p, grad in produced.items():
+                _accumulate(p, grad)
+
+    # the runtime's side: W
+    def run_through(self, entry: int) -> None:
+        """TE's backward_dw until queue entry number `entry` has been popped (FIFO: the older ones first)."""
+        while self.pops <= entry:
+            popped = self.pops
+            self._backward_dw_once()
+            if self.pops == popped:
+                raise RuntimeError(f"{self.name}: backward_dw() popped nothing while entry {entry} of its queue was "
+                                   f"pending (is its delay_wgrad_compute switched off?)")
+
+    def _backward_dw_once(self) -> None:
+        from_b = self._b_grads.pop(self.pops, {})
+        kept = {p: p.grad for p in self.held}
+        for p in self.held:
+            p.grad = from_b.get(p)
+        self._draining = True
+        try:
+            with torch.no_grad():  # saved activations may require grad; W is not differentiated
+                self._backward_dw(self.module)
+        finally:
+            self._draining = False
+        for p in self.held:
+            new, p.grad = p.grad, kept[p]
+            if new is not None:
+                _accumulate(p, new)
+
+
+def _accumulate(param, grad) -> None:
+    """Where megatron's fused backward puts a gradient: with megatron DDP what its hook does (into main_grad
+    unless TE accumulated there already), otherwise what autograd does (the first is taken, later ones added)."""
+    if getattr(param, "main_grad", None) is not None:
+        if not getattr(param, "grad_added_to_main_grad", False):
+            param.main_grad.add_(grad.data)
+    elif param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class TEModuleWeightGrad:
+    """W of one TE module for one queued entry (a runtime DeferredWork): pops through that entry."""
+
+    __slots__ = ("queue", "entry", "nbytes", "weight", "params", "cost")
+
+    def __init__(self, queue: ModuleWgradQueue, entry: int, nbytes: int):
+        self.queue, self.entry, self.nbytes = queue, entry, nbytes
+        self.weight, self.params, self.cost = queue.held[0], queue.held, queue.cost
+
+    def __call__(self) -> None:
+        self.queue.run_through(self.entry)
+
+
+def _nbytes(value, exclude: set) -> int:
+    if torch.is_tensor(value):
+        return 0 if value.data_ptr() in exclude else value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(item, exclude) for item in value)
+    return 0
+
+
+# -- a chunk ---------------------------------------------------------------------------------------------
+def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: bool = True) -> tuple[list, PatchSet]:
+    """Switch every TE module of `module` (instances of `kinds`) to a ModuleWgradQueue feeding `store`; returns
+    (the parameters whose gradients now come in W, the PatchSet whose restore() switches them back).
+    check_version: refuse what the installed TE cannot do (off for a stand-in's kinds in tests)."""
+    patches, queues = PatchSet(f"te_wgrad ({store.name})"), []
+    if check_version:
+        _check_version(module, kinds)
+    try:
+        for name, layer in module.named_modules():
+            kind = next((k for k in kinds if isinstance(layer, k)), None)
+            if kind is None or type(layer).__name__ in KEEP_IN_B:
+                continue
+            held = [(n, p) for n, p in layer.named_parameters(recurse=False)
+                    if p.requires_grad and not n.startswith("layer_norm")]
+            if not held:
+                continue
+            _check_switchable(layer, name, store)
+            queue = ModuleWgradQueue(layer, name or type(layer).__name__, store, kind.backward_dw, held)
+            patches.replace(layer, "wgrad_store", queue)
+            queues.append(queue)
+    except BaseException:
+        patches.restore()
+        raise
+    held_all = [p for queue in queues for p in queue.held]
+    if queues:
+        store.around_b_passes(_b_pass_scope(queues, module if hasattr(module, "param_to_bucket_group") else None))
+    return held_all, patches
+
+
+def _check_version(module, kinds: tuple) -> None:
+    layers = [layer for layer in module.modules() if isinstance(layer, kinds)]
+    if layers:
+        reason = version_refusal(installed_version(), all(getattr(l, "fuse_wgrad_accumulation", False) for l in layers))
+        if reason is not None:
+            raise PatchError(reason)
+
+
+def _check_switchable(layer, name: str, store) -> None:
+    current = getattr(layer, "wgrad_store", _MISSING)
+    if current is _MISSING or not hasattr(layer, "backward_dw"):
+        raise PatchError(f"{name}: this Transformer Engine has no wgrad_store / backward_dw on "
+                         f"{type(layer).__name__}; splitting its layers needs transformer-engine >= {MIN_VERSION}")
+    if isinstance(current, ModuleWgradQueue):
+        raise PatchError(f"{name} is already split into WeightGradStore {current.store.name!r}; a layer can belong "
+                         f"to one model chunk only")
+    if any(getattr(layer, flag, False) for flag in ("ub_bulk_wgrad", "ub_overlap_rs_dgrad", "ub_overlap_ag",
+                                                     "ub_overlap_rs", "ub_bulk_dgrad")):
+        raise PatchError(f"{name}: Transformer Engine does not defer weight gradients with Userbuffers "
+                         f"(--tp-comm-overlap); drop --tp-comm-overlap")
+
+
+_MISSING = object()
+
+
+def _b_pass_scope(queues: list, ddp):
+    """What each B pass of a chunk with TE modules runs in: every queue's begin_b / end_b and, for a megatron DDP
+    chunk, DDP's per-parameter hook skipping the held parameters (their gradients arrive in W, whose store reports
+    them ready; the hook reads `param_to_bucket_group` when it fires, and would count a parameter ready without
+    its gradient, or, under --overlap-grad-reduce, assert one)."""
+    held = {p for queue in queues for p in queue.held}
+    cache: dict = {}
+
+    @contextmanager
+    def scope():
+        full = ddp.param_to_bucket_group if ddp is not None else None
+        if ddp is not None:
+            if cache.get("full") is not full:
+                cache.update(full=full, quiet={p: g for p, g in full.items() if p not in held})
+            ddp.param_to_bucket_group = cache["quiet"]
+        for queue in queues:
+            queue.begin_b()
+        try:
+            yield
+        finally:
+            if ddp is not None:
+                ddp.param_to_bucket_group = full
+            for queue in queues:
+                queue.end_b()
+
+    return scope

@@ -1,0 +1,304 @@
+"""One command for a GPU node (`bash scripts/gpu_check.sh`): does zero bubble work here, and how well?
+
+It reports the versions it found (torch, CUDA, NCCL, megatron-core, Transformer Engine, apex) and five checks:
+(a) the split into B and W gives megatron's gradients bit for bit: one GPT layer of each of the paper's shapes, local
+    and Transformer Engine layers (benchmarks/split_layer.py), and the start-up split check of every zero-bubble run
+    of (b) on the whole model;
+(b) megatron's 1F1B against zb-h1, zb-auto and zb-v: the same loss at every iteration (pretrain_gpt.py under
+    torchrun, a small GPT, `--iterations` iterations, PP = every GPU of the node, deterministic kernels, clipping off);
+(c) the split's overhead (T_B + T_W) / T_BW on the paper's 1.5B / 6.2B / 14.6B / 28.3B layer shapes, fused and split
+    interleaved, min / median / max;
+(d) the executor's own time per pass with CUDA compute: the median gap before a W pass (which waits for no message)
+    in the measured timeline of the zb-h1 run;
+(e) each rank's peak activation memory (max allocated minus allocated after the iteration, from megatron's memory
+    report) against the planner's predicted peak for the zb-auto run.
+Exit status 0 only when (a) and (b) hold ((b) needs two GPUs: on one it is reported as not run). It prints a table to
+paste into a bug report and keeps every log in `--out`.
+
+Without CUDA it says so in one line and exits 2; `--cpu` runs every part on CPU with tiny sizes and gloo (for the
+tests of this tool: (c) and (e) mean nothing there).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+EXIT_NO_CUDA = 2
+SCHEDULES = (("1f1b", []), ("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
+             ("zb-v", ["--zero-bubble-v-schedule"]))
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
+                    r"max allocated: ([0-9.]+)")
+SPLIT_CHECK = "zero-bubble: split check"
+
+
+@dataclass
+class Sizes:
+    """The model and launch of (b): small enough for seconds per iteration, PP = the GPUs given."""
+
+    gpus: int
+    iterations: int
+    hidden: int = 512
+    heads: int = 8
+    seq: int = 512
+    micro_batch: int = 2
+    vocab: int = 4096
+
+    @property
+    def layers(self) -> int:
+        return 4 * self.gpus  # a multiple of 2p (ZB-V), two per virtual stage
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * 4 * self.gpus  # m = 4p microbatches
+
+
+@dataclass
+class Report:
+    versions: dict = field(default_factory=dict)
+    rows: list = field(default_factory=list)  # (part, what, result, holds: True/False/None)
+
+    def add(self, part: str, what: str, result: str, holds: bool | None) -> None:
+        self.rows.append((part, what, result, holds))
+
+    def holds(self, part: str) -> bool:
+        verdicts = [h for p, _, _, h in self.rows if p == part and h is not None]
+        return bool(verdicts) and all(verdicts)
+
+    def table(self) -> str:
+        lines = ["| part | what | result | holds |", "|---|---|---|---|"]
+        lines += [f"| {p} | {w} | {r} | {'-' if h is None else 'yes' if h else 'NO'} |" for p, w, r, h in self.rows]
+        versions = ", ".join(f"{name} {value}" for name, value in self.versions.items())
+        return f"versions: {versions}\n" + "\n".join(lines)
+
+
+# -- versions ----------------------------------------------------------------------------------------------
+def versions() -> dict:
+    import torch
+
+    from ..patches.te_wgrad import installed_version
+
+    found = {"python": sys.version.split()[0], "torch": torch.__version__,
+             "CUDA": torch.version.cuda or "none",
+             "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none",
+             "GPUs": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available()
+             else "0"}
+    for label, name in (("megatron-core", "megatron-core"), ("apex", "apex"), ("megatron-zero-bubble",
+                                                                                  "megatron-zero-bubble")):
+        try:
+            found[label] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[label] = "not installed"
+    found["transformer-engine"] = installed_version() or "not installed"
+    return dict(sorted(found.items(), key=lambda kv: list(found).index(kv[0])))
+
+
+# -- parsing what the launches print -----------------------------------------------------------------------
+def losses(stdout: str) -> dict[int, str]:
+    """{iteration: lm loss as megatron printed it} of one pretrain_gpt.py run."""
+    return {int(i): value for i, value in LOSS.findall(stdout)}
+
+
+def split_check_line(output: str) -> str | None:
+    return next((line.split("error: ", 1)[-1] for line in output.splitlines() if SPLIT_CHECK in line), None)
+
+
+def memory_peaks(stdout: str) -> dict[int, float]:
+    """{global rank: max allocated - allocated, MiB} from megatron's memory report (CUDA only)."""
+    return {int(rank): float(peak) - float(now) for rank, now, peak in MEMORY.findall(stdout)}
+
+
+def executor_gaps_us(trace_path: str) -> list[float]:
+    """Gaps (µs) before each W pass after another pass on the same rank, in a measured Chrome trace (schedules/trace.py):
+    the runtime's own time between passes, since a W waits for no message."""
+    events = json.load(open(trace_path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    by_rank: dict = {}
+    for event in events:
+        if event.get("ph") == "X":
+            by_rank.setdefault(event.get("tid", event.get("pid")), []).append(event)
+    gaps = []
+    for passes in by_rank.values():
+        passes.sort(key=lambda e: e["ts"])
+        for before, after in zip(passes, passes[1:]):
+            if after.get("name", "").startswith("W"):
+                gaps.append(after["ts"] - (before["ts"] + before.get("dur", 0.0)))
+    return gaps
+
+
+# -- launches ----------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(command: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    log.write_text(f"$ {' '.join(command)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+    return done
+
+
+def _env(cpu: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.update(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", CUBLAS_WORKSPACE_CONFIG=":4096:8")  # (b) compares losses exactly
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[str]) -> dict[str, subprocess.CompletedProcess]:
+    """(b): megatron's 1F1B and `schedules` (of SCHEDULES) through pretrain_gpt.py on `sizes.gpus` ranks (PP = that)."""
+    model = (f"--num-layers {sizes.layers} --hidden-size {sizes.hidden} --num-attention-heads {sizes.heads} "
+             f"--seq-length {sizes.seq} --max-position-embeddings {sizes.seq} --micro-batch-size {sizes.micro_batch} "
+             f"--global-batch-size {sizes.global_batch} --vocab-size {sizes.vocab} --tokenizer-type NullTokenizer "
+             f"--mock-data --num-workers 0 --train-iters {sizes.iterations} --lr 1e-4 --eval-iters 0 "
+             f"--eval-interval {sizes.iterations + 1} --log-interval 1 --seed 1234 --init-weights-by-global-name "
+             f"--hidden-dropout 0 --attention-dropout 0 --clip-grad 0 "
+             f"--pipeline-model-parallel-size {sizes.gpus}").split()
+    if not cpu:
+        model += ["--bf16", "--deterministic-mode", "--transformer-impl", "transformer_engine" if te else "local"]
+        if not te:
+            model += ["--no-gradient-accumulation-fusion"]
+    start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
+    end = start + max(1, min(3, sizes.iterations - start - 1))
+    timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end),
+              "--zero-bubble-ilp-time-limit", "5"]
+    runs = {}
+    for name, flags in SCHEDULES:
+        if name != "1f1b" and name not in schedules:
+            continue
+        extra = [] if name == "1f1b" else timers + ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sizes.gpus),
+                   "--master-port", str(_free_port()), "pretrain_gpt.py", *model, *flags, *extra]
+        runs[name] = _run(command, out / f"pretrain-{name}.log", _env(cpu))
+    return runs
+
+
+def split_layer_run(out: Path, cpu: bool, te: bool, reps: int) -> list[dict]:
+    """(a) and (c): benchmarks/split_layer.py; [] with its log when it could not run."""
+    results = out / "split_layer.json"
+    command = [sys.executable, "benchmarks/split_layer.py", "--device", "cpu" if cpu else "cuda", "--reps", str(reps),
+               "--impl", "local,transformer_engine" if te else "local", "--shapes", "tiny" if cpu else "paper",
+               "--json", str(results)]
+    _run(command, out / "split_layer.log", _env(cpu))
+    return json.loads(results.read_text()) if results.exists() else []
+
+
+# -- the checks --------------------------------------------------------------------------------------------
+def check_layers(report: Report, layers: list[dict]) -> None:
+    if not layers:
+        report.add("a", "one GPT layer per shape, fused vs B+W", "did not run (see split_layer.log)", False)
+    for r in layers:
+        same = "bit-identical" if r["bit_identical"] else f"differs first in {r['first_difference'][0]}"
+        report.add("a", f"{r['impl']} layer {r['shape']} (h {r['hidden']}, micro batch {r['micro_batch']})",
+                   f"{same} ({r['deferred']} weights deferred)", r["bit_identical"])
+        fused, split = r["fused_ms"], r["split_ms"]
+        report.add("c", f"{r['impl']} layer {r['shape']}: (T_B + T_W) / T_BW",
+                   f"{r['ratio']:.3f} (T_BW {_spread_text(fused)} ms, T_B+T_W {_spread_text(split)} ms)", None)
+
+
+def check_losses(report: Report, runs: dict, sizes: Sizes) -> None:
+    reference = runs["1f1b"]
+    want = losses(reference.stdout)
+    if reference.returncode != 0 or len(want) < sizes.iterations:
+        report.add("b", f"megatron 1F1B, PP={sizes.gpus}, {sizes.iterations} iterations",
+                   f"failed (exit {reference.returncode}; see pretrain-1f1b.log)", False)
+        return
+    for name, done in runs.items():
+        if name == "1f1b":
+            continue
+        got = losses(done.stdout)
+        line = split_check_line(done.stdout + done.stderr)
+        report.add("a", f"{name} start-up split check on the whole model", line or "no split check line", bool(
+            line and ": passed" in line))
+        if done.returncode != 0:
+            report.add("b", f"{name} vs 1F1B", f"failed (exit {done.returncode}; see pretrain-{name}.log)", False)
+            continue
+        differing = [i for i in want if got.get(i) != want[i]]
+        result = (f"identical losses at all {len(want)} iterations" if not differing else
+                  f"differs from iteration {differing[0]} ({got.get(differing[0])} vs {want[differing[0]]})")
+        report.add("b", f"{name} vs 1F1B, PP={sizes.gpus}", result, not differing)
+
+
+def check_executor(report: Report, out: Path, schedule: str) -> None:
+    traces = sorted((out / f"dump-{schedule}").glob("*measured*.trace.json"))
+    gaps = executor_gaps_us(str(traces[-1])) if traces else []
+    report.add("d", f"executor time before a W pass ({schedule}, measured timeline)",
+               f"{_spread_text(gaps)} µs over {len(gaps)} passes" if gaps else "no measured timeline", None)
+
+
+def check_memory(report: Report, runs: dict, out: Path, cpu: bool) -> None:
+    if cpu or "zb-auto" not in runs:
+        report.add("e", "peak activation memory vs the planner's", "not measured (needs CUDA and the zb-auto run)", None)
+        return
+    measured = memory_peaks(runs["zb-auto"].stdout)
+    plans = sorted((out / "dump-zb-auto").glob("zb-auto-m*-initial.json"))  # the plan iterations 1-2 ran
+    predicted = json.loads(plans[-1].read_text()).get("predicted", {}).get("peak_memory", []) if plans else []
+    for rank, peak in sorted(measured.items()):
+        plan = predicted[rank] / 2**20 if rank < len(predicted) else None
+        text = f"{peak:.0f} MiB measured" + (f", {plan:.0f} MiB predicted ({peak / plan:.2f}x)" if plan else "")
+        report.add("e", f"zb-auto rank {rank}", text, None)
+    if not measured:
+        report.add("e", "zb-auto peak activation memory", "no memory report in the log", None)
+
+
+def _spread_text(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at most 8)")
+    parser.add_argument("--iterations", type=int, default=20, help="iterations of (b) (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of (c) (default %(default)s)")
+    parser.add_argument("--schedules", default="zb-h1,zb-auto,zb-v",
+                        help="zero-bubble schedules compared with megatron's 1F1B in (b) (default %(default)s)")
+    parser.add_argument("--out", default=None, help="directory for the logs (default: a new temporary one)")
+    parser.add_argument("--cpu", action="store_true", help="run every part on CPU, tiny sizes (tests this tool)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU node "
+              "(--cpu runs its parts on CPU to test the tool)", file=sys.stderr)
+        return EXIT_NO_CUDA
+    out = Path(args.out or tempfile.mkdtemp(prefix="zb_gpu_check_"))
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(versions())
+    te = not args.cpu and report.versions["transformer-engine"] != "not installed"
+    if not args.cpu and not te:
+        report.add("a", "Transformer Engine layers", "not checked: transformer-engine is not installed", None)
+    check_layers(report, split_layer_run(out, args.cpu, te, args.reps))
+    gpus = args.gpus or (2 if args.cpu else min(torch.cuda.device_count(), 8))
+    if gpus >= 2:
+        sizes = Sizes(gpus, args.iterations) if not args.cpu else Sizes(gpus, args.iterations, hidden=64, heads=4,
+                                                                          seq=32, vocab=128)
+        runs = pretrain_runs(sizes, out, args.cpu, te, args.schedules.split(","))
+        check_losses(report, runs, sizes)
+        check_executor(report, out, next(name for name in runs if name != "1f1b"))
+        check_memory(report, runs, out, args.cpu)
+    else:
+        report.add("b", "1F1B vs zb-h1, zb-auto, zb-v", "not run: pipeline parallelism needs 2 GPUs or more", None)
+    print(report.table())
+    print(f"logs: {out}")
+    ok = report.holds("a") and (report.holds("b") or gpus < 2)
+    print(f"gpu_check: {'(a) and (b) hold' if ok else 'FAILED: see the rows marked NO'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The Transformer Engine split (patches/te_wgrad.py) on real Transformer Engine modules: needs CUDA and TE.
+
+The same checks as test_te_split_standin.py, which runs them on CPU against the labelled stand-in: B then W in
+microbatch order gives the gradients of TE's own undeferred backward bit for bit (plain autograd accumulation, and
+accumulation into main_grad with megatron DDP's hook and TE's gradient-accumulation fusion), each module's entries
+are popped oldest first, a BW pass is TE's fused backward, readiness reports every weight and bias once; and one
+megatron GPT layer of TE's spec, fused against split (benchmarks/split_layer.py). Skipped, with the reason, where
+`import transformer_engine.pytorch` fails or there is no CUDA device; never run on CPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (Transformer Engine runs on GPUs only)", allow_module_level=True)
+te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine does not import here")
+
+from megatron.zero_bubble.patches import imports  # noqa: E402
+
+imports.install()
+
+from megatron.zero_bubble.patches import te_wgrad  # noqa: E402
+from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
+from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
+from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
+
+HIDDEN, FFN, TOKENS, MICROBATCHES = 128, 256, 64, 3
+KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+VERSION = te_wgrad.installed_version()
+
+
+def _adapter() -> MegatronAdapter:
+    return MegatronAdapter(te_layer_types=te_wgrad.layer_types())
+
+
+def _make(kind: str, fuse: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    options = dict(bias=True, fuse_wgrad_accumulation=fuse, params_dtype=torch.float32, device="cuda")
+    if kind == "Linear":
+        module = te.Linear(HIDDEN, FFN, **options)
+    elif kind == "LayerNormLinear":
+        module = te.LayerNormLinear(HIDDEN, FFN, **options)
+    elif kind == "LayerNormMLP":
+        module = te.LayerNormMLP(HIDDEN, FFN, **options)
+    else:
+        module = te.GroupedLinear(2, HIDDEN, FFN, **options)
+    if fuse:  # megatron DDP: main_grad, grad_added_to_main_grad and its per-parameter hook
+        for param in module.parameters():
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device="cuda")
+            param.grad_added_to_main_grad = False
+            param.register_post_accumulate_grad_hook(_ddp_hook)
+    return module
+
+
+def _ddp_hook(param) -> None:
+    if param.grad is not None and not param.grad_added_to_main_grad:
+        param.main_grad.add_(param.grad.data)
+    param.grad = None
+
+
+def _forward(module, x):
+    if isinstance(module, te.GroupedLinear):
+        return module(x, [TOKENS // 2, TOKENS - TOKENS // 2])
+    out = module(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _data(kind: str):
+    generator = torch.Generator().manual_seed(1)
+    out = HIDDEN if kind == "LayerNormMLP" else FFN
+    return [(torch.randn(TOKENS, HIDDEN, generator=generator).cuda(), torch.randn(TOKENS, out, generator=generator).cuda())
+            for _ in range(MICROBATCHES)]
+
+
+def _grads(module) -> dict:
+    return {name: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).clone()
+            for name, p in module.named_parameters()}
+
+
+def _skip_unless_supported(fuse: bool) -> None:
+    reason = te_wgrad.version_refusal(VERSION, fuse)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "main_grad-fusion"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind, fuse):
+    _skip_unless_supported(fuse)
+    reference, split = _make(kind, fuse), _make(kind, fuse)
+    for x, dy in _data(kind):
+        _forward(reference, x).backward(dy)
+    store = WeightGradStore("chunk 0")
+    assert store.attach(split, _adapter()) > 0
+    for mb, (x, dy) in enumerate(_data(kind)):
+        out = _forward(split, x)
+        with store.split_backward():
+            out.backward(dy)
+        store.close_microbatch(mb, last=mb == MICROBATCHES - 1)
+    for mb in store.pending_microbatches:
+        store.run_next(mb)
+    torch.cuda.synchronize()
+    want, got = _grads(reference), _grads(split)
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+    store.detach()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bw_pass_on_switched_te_modules_is_their_fused_backward(kind):
+    _skip_unless_supported(True)
+    reference, split = _make(kind, True), _make(kind, True)
+    store = WeightGradStore("chunk 0")
+    store.attach(split, _adapter())
+    for mb, (x, dy) in enumerate(_data(kind)):
+        _forward(reference, x).backward(dy)
+        with store.fused_backward(last=mb == MICROBATCHES - 1):
+            _forward(split, x).backward(dy)
+        assert store.pending_count == 0
+    want, got = _grads(reference), _grads(split)
+    assert [n for n in want if not torch.equal(want[n], got[n])] == []
+
+
+def test_w_runs_in_b_order_and_reports_every_te_weight_and_bias_once():
+    _skip_unless_supported(True)
+    module = _make("LayerNormMLP", True)
+    reported = []
+    store = WeightGradStore("chunk 0", grad_ready=reported.append)
+    store.attach(module, _adapter())
+    for mb, (x, dy) in enumerate(_data("LayerNormMLP")):
+        with store.split_backward():
+            _forward(module, x).backward(dy)
+        store.close_microbatch(mb, last=mb == MICROBATCHES - 1)
+    with pytest.raises(ScheduleError, match="microbatch 0 is next"):
+        store.run_next(1)
+    for mb in store.pending_microbatches:
+        store.run_next(mb)
+    held = [p for n, p in module.named_parameters() if not n.startswith("layer_norm")]
+    assert sorted(map(id, reported)) == sorted(map(id, held))
+    with pytest.raises(RuntimeError, match="Pop empty queue"):
+        module.wgrad_store.pop()
+
+
+@pytest.mark.parametrize("impl", ["local", "transformer_engine"])
+def test_one_megatron_gpt_layer_split_matches_its_fused_backward(impl):
+    _skip_unless_supported(True)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "split_layer.py"
+    spec = importlib.util.spec_from_file_location("split_layer", path)
+    split_layer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split_layer)
+    split_layer._set_up("cuda")
+    result = split_layer.measure(impl, 1024, 16, 2, 512, torch.bfloat16, 1, "cuda")
+    assert result["bit_identical"], result["first_difference"]
+    assert result["deferred"] > 0

@@ -1,0 +1,267 @@
+"""STAND-IN for Transformer Engine's deferring linear modules, for CPU tests only. It is not Transformer Engine.
+
+Transformer Engine (TE) needs CUDA, so the code that drives its weight-gradient deferral (patches/te_wgrad.py:
+which modules are switched, the order of the W work, readiness for megatron DDP, replays) is tested on CPU
+against these small modules, which keep the contract TE documents and implements (read from its sources,
+2.3 to 2.18; the numbers are plain torch, the behaviour around them TE's):
+
+- a module holds `wgrad_store`, a per-module FIFO; with `delay_wgrad_compute()` True in backward the module
+  computes the input gradient, `put`s ([tensors], gemm) and returns no weight gradient; `backward_dw()` pops one
+  entry (the MLP two: fc2's, then fc1's), runs the GEMM and assigns `weight.grad` (not fused) and `bias.grad`
+  (where it is None), then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks`; popping an
+  empty queue raises "Pop empty queue"; `need_backward_dw()` says whether the deferral is on;
+- `fuse_wgrad_accumulation`: the GEMM accumulates into `weight.main_grad` (overwrites it for the first
+  microbatch when the caller says so), and backward returns a placeholder gradient (here NaN, so that adding it
+  anywhere shows) with `weight.grad_added_to_main_grad = True` when the weight has that attribute (megatron DDP);
+- a forward hands the queue to its backward only if `delay_wgrad_compute()` answered True in the forward (2.10+);
+- a layer norm fused in front (the MLP's `layer_norm_*`) gets its gradients in B.
+
+The real-TE tests (tests/megatron/test_transformer_engine_split.py) run the same checks on TE's own modules
+wherever `import transformer_engine` works, and skip with the reason elsewhere.
+"""
+from __future__ import annotations
+
+import queue
+
+import torch
+import torch.nn.functional as F
+
+
+class StandInWeightGradStore:
+    """TE's per-module FIFO of deferred weight-gradient GEMMs."""
+
+    def __init__(self, delay_wgrad_compute: bool = False):
+        self.context = queue.Queue() if delay_wgrad_compute else None
+        self.enabled = bool(delay_wgrad_compute)
+
+    def delay_wgrad_compute(self) -> bool:
+        return self.enabled
+
+    def enable_delay_wgrad_compute(self) -> None:
+        self.enabled = True
+
+    def disable_delay_wgrad_compute(self) -> None:
+        self.enabled = False
+
+    def put(self, tensor_list, func) -> None:
+        assert self.enabled, "delay_wgrad_compute is not enabled"
+        self.context.put([tensor_list, func])
+
+    def pop(self):
+        assert self.enabled, "delay_wgrad_compute is not enabled"
+        if self.context.qsize() > 0:
+            tensor_list, func = self.context.get()
+            return func(*tensor_list), tensor_list
+        raise RuntimeError("Pop empty queue. No distributed environment detected.")
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(shape, dtype) -> torch.Tensor:
+    """TE's cached stand-in gradient for a weight it accumulates into main_grad itself (here NaN)."""
+    key = (tuple(shape), dtype)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.full(shape, float("nan"), dtype=dtype)
+    return _PLACEHOLDERS[key]
+
+
+class StandInTEModule(torch.nn.Module):
+    """TE's TransformerEngineBaseModule: the deferral and backward_dw()."""
+
+    weight_names: tuple = ()
+    bias_names: tuple = ()
+
+    def __init__(self, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False):
+        super().__init__()
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.wgrad_store = StandInWeightGradStore(delay_wgrad_compute)
+        self.wgrad_accumulation_and_reduce_hooks = []
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
+        self.wgrad_accumulation_and_reduce_hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.wgrad_store is not None and self.wgrad_store.delay_wgrad_compute()
+
+    def _forward_store(self):
+        return self.wgrad_store if self.wgrad_store.delay_wgrad_compute() else None
+
+    def backward_dw(self) -> None:
+        if not self.need_backward_dw():
+            return
+        for weight_name, bias_name in zip(self.weight_names, self.bias_names):  # one entry per GEMM
+            (wgrad, bgrad), _ = self.wgrad_store.pop()
+            weight, bias = getattr(self, weight_name), getattr(self, bias_name, None)
+            if not self.fuse_wgrad_accumulation:
+                weight.grad = wgrad.to(weight.dtype)
+            if bias is not None and bias.grad is None:
+                bias.grad = bgrad.to(bias.dtype)
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+def _wgrad_gemm(weight, use_bias: bool, fused: bool, accumulate: bool):
+    """The weight-gradient GEMM one backward hands over (dw = dy^T x, db = sum dy), into main_grad when fused."""
+    main_grad = weight.main_grad if fused else None
+
+    def gemm(x, dy):
+        dw = dy.t().matmul(x)
+        db = dy.sum(dim=0) if use_bias else None
+        if main_grad is not None:
+            main_grad.add_(dw) if accumulate else main_grad.copy_(dw)
+            dw = None
+        return dw, db
+
+    return gemm
+
+
+def _weight_grad_for_autograd(weight, wgrad, fused: bool):
+    """What TE's backward returns for the weight: with fusion a placeholder (megatron DDP) or nothing."""
+    if fused and hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return _placeholder(weight.shape, weight.dtype)
+    return None if fused else wgrad
+
+
+def _accumulate_flag(fused: bool, is_first_microbatch) -> bool:
+    return fused and not is_first_microbatch if is_first_microbatch is not None else fused
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, inp, bias, module, store, is_first_microbatch):
+        ctx.save_for_backward(inp, weight)
+        ctx.weight, ctx.store, ctx.use_bias = weight, store, bias is not None
+        ctx.fused = module.fuse_wgrad_accumulation
+        ctx.accumulate = _accumulate_flag(ctx.fused, is_first_microbatch)
+        out = inp.matmul(weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        inp, weight = ctx.saved_tensors
+        dgrad = grad_out.matmul(weight)
+        x2, dy2 = inp.reshape(-1, inp.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+        gemm = _wgrad_gemm(ctx.weight, ctx.use_bias, ctx.fused, ctx.accumulate)
+        if ctx.store is not None and ctx.store.delay_wgrad_compute():
+            ctx.store.put([x2, dy2], gemm)
+            wgrad = bgrad = None
+        else:
+            wgrad, bgrad = gemm(x2, dy2)
+        return _weight_grad_for_autograd(ctx.weight, wgrad, ctx.fused), dgrad, bgrad, None, None, None
+
+
+class StandInLinear(StandInTEModule):
+    """te.pytorch.Linear: y = x W^T + b."""
+
+    weight_names, bias_names = ("weight",), ("bias",)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **options):
+        super().__init__(**options)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = torch.nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, inp, is_first_microbatch=None):
+        return _LinearFunction.apply(self.weight, inp, self.bias, self, self._forward_store(), is_first_microbatch)
+
+
+class _MLPFunction(torch.autograd.Function):
+    """fc2(gelu(fc1(x))); backward queues fc2's GEMM, then fc1's."""
+
+    @staticmethod
+    def forward(ctx, w1, b1, w2, b2, x, module, store):
+        h = x.matmul(w1.t()) + b1
+        a = F.gelu(h)
+        ctx.save_for_backward(x, h, a, w1, w2)
+        ctx.weights, ctx.store, ctx.fused = (w1, w2), store, module.fuse_wgrad_accumulation
+        return a.matmul(w2.t()) + b2
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, h, a, w1, w2 = ctx.saved_tensors
+        p1, p2 = ctx.weights
+        dy2 = grad_out.reshape(-1, grad_out.shape[-1])
+        da = grad_out.matmul(w2)
+        with torch.enable_grad():
+            h_ = h.detach().requires_grad_()
+            dh, = torch.autograd.grad(F.gelu(h_), h_, da)
+        dx = dh.matmul(w1)
+        fc2 = _wgrad_gemm(p2, True, ctx.fused, ctx.fused)
+        fc1 = _wgrad_gemm(p1, True, ctx.fused, ctx.fused)
+        operands = ((a.reshape(-1, a.shape[-1]), dy2), (x.reshape(-1, x.shape[-1]), dh.reshape(-1, dh.shape[-1])))
+        if ctx.store is not None and ctx.store.delay_wgrad_compute():
+            ctx.store.put(list(operands[0]), fc2)
+            ctx.store.put(list(operands[1]), fc1)
+            (w2g, b2g), (w1g, b1g) = (None, None), (None, None)
+        else:
+            w2g, b2g = fc2(*operands[0])
+            w1g, b1g = fc1(*operands[1])
+        return (_weight_grad_for_autograd(p1, w1g, ctx.fused), b1g, _weight_grad_for_autograd(p2, w2g, ctx.fused), b2g,
+                dx, None, None)
+
+
+class StandInLayerNormMLP(StandInTEModule):
+    """te.pytorch.LayerNormMLP: fc2(gelu(fc1(layer_norm(x)))); the norm's gradients come in B."""
+
+    weight_names, bias_names = ("fc2_weight", "fc1_weight"), ("fc2_bias", "fc1_bias")  # the order backward_dw pops
+
+    def __init__(self, hidden: int, ffn: int, **options):
+        super().__init__(**options)
+        self.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden))
+        self.layer_norm_bias = torch.nn.Parameter(torch.empty(hidden))
+        self.fc1_weight = torch.nn.Parameter(torch.empty(ffn, hidden))
+        self.fc1_bias = torch.nn.Parameter(torch.empty(ffn))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden, ffn))
+        self.fc2_bias = torch.nn.Parameter(torch.empty(hidden))
+
+    def forward(self, x):
+        normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias)
+        return _MLPFunction.apply(self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias, normed, self,
+                                  self._forward_store())
+
+
+KINDS = (StandInLinear, StandInLayerNormMLP)  # what the adapter switches (as TE's Linear, LayerNormMLP, ...)
+
+
+# -- megatron's wrappers around TE's Linear (TEColumnParallelLinear / TERowParallelLinear), TP = 1 --------------
+class StandInMegatronTELinear(StandInLinear):
+    """megatron-core's TELinear over the stand-in: returns (output, bias or None); its backward_dw runs only with
+    megatron's own config.delay_wgrad_compute; is_first_microbatch as megatron hands it to TE."""
+
+    def __init__(self, layer, fuse_wgrad_accumulation: bool):
+        torch.nn.Module.__init__(self)
+        StandInTEModule.__init__(self, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+        self.config = layer.config
+        self.weight = layer.weight
+        self.bias = layer.bias if isinstance(layer.bias, torch.nn.Parameter) else None
+        self.te_return_bias = bool(layer.skip_bias_add) and self.bias is not None
+        self.is_first_microbatch = True
+
+    def forward(self, x, *unused_args, **unused_kwargs):
+        bias = None if self.te_return_bias else self.bias
+        out = _LinearFunction.apply(self.weight, x, bias, self, self._forward_store(), self.is_first_microbatch)
+        self.is_first_microbatch = False
+        return (out, self.bias) if self.te_return_bias else (out, None)
+
+    def backward_dw(self) -> None:
+        if self.config.delay_wgrad_compute:
+            super().backward_dw()
+
+
+def swap_in_standins(chunk, fuse_wgrad_accumulation: bool = False) -> int:
+    """Replace the tensor-parallel linear layers of `chunk`'s transformer layers (attention and MLP, experts
+    included) by StandInMegatronTELinear holding the same Parameters; returns how many. TP = 1 only."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    swapped = 0
+    for parent in list(chunk.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in _path(chunk, child):
+                setattr(parent, name, StandInMegatronTELinear(child, fuse_wgrad_accumulation))
+                swapped += 1
+    return swapped
+
+
+def _path(root, module) -> str:
+    return next("." + name for name, m in root.named_modules() if m is module)

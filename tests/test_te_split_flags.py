@@ -1,0 +1,74 @@
+"""pretrain_gpt.py's start-up checks for the split check and for Transformer Engine layers split into B and W: one
+line naming the flag or the version needed. No megatron import, no process launched."""
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from megatron.zero_bubble.patches import te_wgrad
+from megatron.zero_bubble.training import arguments
+from megatron.zero_bubble.training.checks import check_transformer_engine_split
+
+MODEL = ["--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
+PP4 = ["--pipeline-model-parallel-size", "4"]
+
+
+def _refusal(flags: list[str], monkeypatch) -> str | None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    try:
+        arguments.check_early(MODEL + flags)
+    except arguments.StartupRefusal as refusal:
+        assert "\n" not in str(refusal)
+        return str(refusal)
+    return None
+
+
+def test_the_split_check_is_on_by_default_and_its_off_switch_parses(monkeypatch):
+    args, _ = arguments.early_parser().parse_known_args(MODEL + PP4 + ["--pipeline-schedule", "zb-h1"])
+    assert args.zero_bubble_split_check is True
+    args, _ = arguments.early_parser().parse_known_args(MODEL + PP4 + ["--no-zero-bubble-split-check"])
+    assert args.zero_bubble_split_check is False
+    assert _refusal(PP4 + ["--pipeline-schedule", "zb-h1", "--no-zero-bubble-split-check"], monkeypatch) is None
+
+
+def test_switching_the_split_check_off_without_a_split_schedule_is_refused(monkeypatch):
+    message = _refusal(PP4 + ["--no-zero-bubble-split-check"], monkeypatch)
+    assert message == ("--no-zero-bubble-split-check has no effect: no zero-bubble schedule is chosen; drop "
+                       "--no-zero-bubble-split-check")
+
+
+def _te_args(**overrides):
+    settings = dict(transformer_impl="transformer_engine", gradient_accumulation_fusion=True, tp_comm_overlap=False,
+                    cuda_graph_impl="none")
+    return types.SimpleNamespace(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize("version, fusion, needed", [
+    (None, True, "Transformer Engine is not installed"),
+    ("2.2.0", True, "needs transformer-engine >= 2.3"),
+    ("2.7.1", False, "without --gradient-accumulation-fusion needs transformer-engine >= 2.8"),
+])
+def test_a_transformer_engine_that_cannot_defer_is_refused_naming_the_version_needed(version, fusion, needed,
+                                                                                    monkeypatch):
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: version)
+    with pytest.raises(arguments.StartupRefusal) as refused:
+        check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--pipeline-schedule zb-h1")
+    message = str(refused.value)
+    assert message.startswith("--pipeline-schedule zb-h1 with --transformer-impl transformer_engine: ")
+    assert needed in message and message.endswith("or use --transformer-impl local")
+
+
+@pytest.mark.parametrize("version, fusion", [("2.3.0", True), ("2.8.0", False), ("2.18.0", True)])
+def test_transformer_engine_versions_that_defer_are_accepted(version, fusion, monkeypatch):
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: version)
+    check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--enable-zero-bubble")
+    check_transformer_engine_split(_te_args(transformer_impl="local"), "--enable-zero-bubble")
+
+
+@pytest.mark.parametrize("overrides, flag", [({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+                                             ({"cuda_graph_impl": "transformer_engine"}, "--cuda-graph-impl")])
+def test_te_features_that_cannot_defer_are_refused_with_te_layers_split(overrides, flag, monkeypatch):
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.8.0")
+    with pytest.raises(arguments.StartupRefusal, match=f"^{flag}.*drop {flag}$"):
+        check_transformer_engine_split(_te_args(**overrides), "--enable-zero-bubble")
