@@ -68,3 +68,14 @@ def test_held_memory_is_the_activation_profile_plus_the_tensors_in_bytes():
 def test_held_memory_needs_costs_in_bytes():
     with pytest.raises(ScheduleError, match="bytes"):
         held_memory_profile(one_f_one_b(2, 2), Costs.make(2), pipeline_tensor_bytes=1.0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zb-v", "v-half", "v-min"])
+def test_counted_from_a_first_call_nothing_is_ever_held_less_than_nothing(name):
+    """Lifetimes that end before they begin (an input megatron let go of when the chunk's next F ran before this
+    F's backward) count nothing, in every schedule."""
+    schedule = plan(name, PlanRequest(stages=4, microbatches=8, ilp_time_limit=0))
+    held = pipeline_tensors_held(schedule, after_a_call=False)
+    assert min(min(rank) for rank in held) >= 0
+    assert [len(rank) for rank in held] == [sum(1 for p in passes if p.op in ("F", "B", "W", "BW"))
+                                            for passes in schedule.ranks]

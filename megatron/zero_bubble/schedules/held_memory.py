@@ -18,6 +18,8 @@ it: M_F) or part of what a B leaves for its W (M_W), as runtime/profiling.py mea
 """
 from __future__ import annotations
 
+import bisect
+
 from .comm import Recv, Send, consumed, lower, produced
 from .costs import Costs
 from .memory import memory_profile
@@ -62,86 +64,106 @@ def _held_on_rank(schedule: Schedule, rank: int, program: list, outputs_freed_wh
                   after_a_call: bool) -> list[int]:
     """Lifetimes in program positions: a tensor born at position b and gone during the item at d is held at the
     read after the compute pass at position x when b <= x < d (a read follows its pass; posts come after it)."""
-    position = {item: x for x, item in enumerate(program) if isinstance(item, Pass)}
-    end = len(program)
+    at = _Positions(schedule, rank, program)
     lifetimes = []  # (born, gone)
-    recv_at = {}  # Message -> position of its receive
-    waits = []  # (position of the item that waits for a receive, the receive's position, its sender)
-    for x, item in enumerate(program):
-        if isinstance(item, Recv):
-            recv_at[item.msg] = x
-        elif isinstance(item, Pass):
-            need = consumed(schedule, rank, item)
-            if need is not None:
-                waits.append((x, recv_at[need], need.src))
-                if carries_microbatch(need.kind):
-                    lifetimes.append((recv_at[need], x))
-    kept = _inputs_kept(schedule, rank, program, position)
     for x, item in enumerate(program):
         if isinstance(item, Send) and carries_microbatch(item.msg.kind):
-            producer = _producer(item.msg, schedule, rank)
-            gone = min((w for w, posted, peer in waits if peer == item.msg.dst and posted > x), default=end)
+            producer = at.producer(item.msg)
+            gone = at.first_wait_after(item.msg.dst, x)
             if item.msg.kind == Kind.ACT:  # completed before the backward of its F at the latest
-                backward = _backward_of(schedule, rank, position, item.msg.mb, producer.chunk)
-                gone = backward if not outputs_freed_when_sent else min(gone, backward)
+                backward = at.backward[(producer.mb, producer.chunk)]
+                gone = min(gone, backward) if outputs_freed_when_sent else backward
             else:  # a gradient is its input's .grad: alive while megatron keeps that input
-                gone = max(gone, kept.get((producer.mb, producer.chunk), 0))
-            lifetimes.append((position[producer], gone))
-        elif isinstance(item, Pass) and item.op in _COMPUTE and facts(item.op).sends is not None:
-            taker = _hand_over(schedule, rank, item, position)
-            if taker is not None:
-                gone = taker if facts(item.op).sends[0] == Kind.ACT else max(taker, kept.get((item.mb, item.chunk), 0))
-                lifetimes.append((x, gone))
-    for (mb, chunk), gone in kept.items():  # the input itself, once its F's activations are gone
-        lifetimes.append((_backward_of(schedule, rank, position, mb, chunk), gone))
-    reads = [x for x, item in enumerate(program) if isinstance(item, Pass) and item.op in _COMPUTE]
-    held = [sum(1 for born, gone in lifetimes if born <= x < gone) for x in reads]
-    if after_a_call:  # the previous call's last input of each such chunk, and its gradient, went at its first F
-        firsts = [min(position[p] for p in schedule.ranks[rank] if p.op == Op.F and p.chunk == chunk)
-                  for chunk in {c for _, c in kept}]
-        held = [n - 2 * sum(1 for first in firsts if first <= x) for n, x in zip(held, reads)]
-    return held
+                gone = max(gone, at.kept.get((producer.mb, producer.chunk), 0))
+            lifetimes.append((at.passes[producer], gone))
+        elif isinstance(item, Pass):
+            need = consumed(schedule, rank, item)
+            if need is not None and carries_microbatch(need.kind):  # a receive, from its post to its pass
+                lifetimes.append((at.receive[need], x))
+            taker = at.hand_over(item) if item.op in _COMPUTE else None
+            if taker is not None:  # to the next chunk on this rank (a V's turn); a gradient is an input's .grad
+                kept = at.kept.get((item.mb, item.chunk), 0) if facts(item.op).sends[0] == Kind.GRAD else 0
+                lifetimes.append((x, max(taker, kept)))
+    for (mb, chunk), gone in at.kept.items():  # the input itself, once its F's activations are gone
+        lifetimes.append((at.backward[(mb, chunk)], gone))
+    if after_a_call:  # the previous call's last input of each such chunk, and its gradient, go at its first F
+        lifetimes += [(at.first_forward[chunk], len(program), -2) for chunk in {c for _, c in at.kept}]
+    change = [0] * (len(program) + 1)
+    for born, gone, *count in lifetimes:
+        if born < gone:  # e.g. an input megatron let go of (the chunk's next F) before this F's backward
+            change[born] += count[0] if count else 1
+            change[gone] -= count[0] if count else 1
+    held, reads = 0, []
+    for x, item in enumerate(program):
+        held += change[x]
+        if isinstance(item, Pass) and item.op in _COMPUTE:
+            reads.append(held)
+    return reads
 
 
-def _inputs_kept(schedule: Schedule, rank: int, program: list, position: dict) -> dict[tuple[int, int], int]:
-    """Megatron's model chunk keeps the input of its latest forward (set_input_tensor) until its next one: for each
-    (microbatch, chunk) whose input came from another stage, where that input goes (the chunk's next F, or the
-    call's end)."""
-    kept = {}
-    for chunk in range(schedule.chunks):
-        if schedule.virtual_stage(rank, chunk) == 0:
-            continue  # the first stage's input is the data, not a pipeline tensor
-        forwards = sorted(position[p] for p in schedule.ranks[rank] if p.op == Op.F and p.chunk == chunk)
-        for here, after in zip(forwards, forwards[1:] + [len(program)]):
-            kept[(program[here].mb, chunk)] = after
-    return kept
+class _Positions:
+    """Where things happen in one rank's program (positions are indices into it)."""
 
+    def __init__(self, schedule: Schedule, rank: int, program: list):
+        self.schedule, self.rank = schedule, rank
+        self.passes = {item: x for x, item in enumerate(program) if isinstance(item, Pass)}
+        self.receive = {item.msg: x for x, item in enumerate(program) if isinstance(item, Recv)}
+        self.backward = {(p.mb, p.chunk): x for p, x in self.passes.items() if p.op in (Op.B, Op.BW)}
+        forwards: dict[int, list[tuple[int, int]]] = {}
+        for p, x in self.passes.items():
+            if p.op == Op.F:
+                forwards.setdefault(p.chunk, []).append((x, p.mb))
+        self.first_forward = {chunk: min(fs)[0] for chunk, fs in forwards.items()}
+        # Megatron's model chunk keeps the input of its latest F (set_input_tensor) until its next one: for each
+        # (microbatch, chunk) whose input is a pipeline tensor, where that input goes (the next F, or the end).
+        self.kept = {}
+        for chunk, fs in forwards.items():
+            if schedule.virtual_stage(rank, chunk) > 0:  # the first stage's input is the data
+                fs.sort()
+                for (_, mb), after in zip(fs, [x for x, _ in fs[1:]] + [len(program)]):
+                    self.kept[(mb, chunk)] = after
+        # per peer: when each receive from it was posted (ascending), and the earliest wait among those posted then
+        # or later
+        self._end = len(program)
+        self._posted: dict[int, list[int]] = {}
+        self._earliest_wait: dict[int, list[int]] = {}
+        waits: dict[int, list[tuple[int, int]]] = {}
+        for p, x in self.passes.items():
+            need = consumed(schedule, rank, p)
+            if need is not None:
+                waits.setdefault(need.src, []).append((self.receive[need], x))
+        for peer, pairs in waits.items():
+            pairs.sort()
+            self._posted[peer] = [posted for posted, _ in pairs]
+            earliest, suffix = self._end, []
+            for _, wait in reversed(pairs):
+                earliest = min(earliest, wait)
+                suffix.append(earliest)
+            self._earliest_wait[peer] = suffix[::-1]
 
-def _chunk_of(schedule: Schedule, rank: int, vstage: int) -> int:
-    return next(c for c in range(schedule.chunks) if schedule.virtual_stage(rank, c) == vstage)
+    def first_wait_after(self, peer: int, posted_after: int) -> int:
+        """Where the runtime first waits for a message from `peer` whose receive was posted after `posted_after`
+        (the end of the program if never)."""
+        posted = self._posted.get(peer, [])
+        k = bisect.bisect_right(posted, posted_after)
+        return self._earliest_wait[peer][k] if k < len(posted) else self._end
 
+    def chunk_of(self, vstage: int) -> int:
+        return next(c for c in range(self.schedule.chunks) if self.schedule.virtual_stage(self.rank, c) == vstage)
 
-def _producer(msg, schedule: Schedule, rank: int) -> Pass:
-    chunk = _chunk_of(schedule, rank, msg.src_stage)
-    if msg.kind == Kind.ACT:
-        return Pass(Op.F, msg.mb, chunk)
-    return next(p for p in schedule.ranks[rank] if p.mb == msg.mb and p.chunk == chunk and p.op in (Op.B, Op.BW))
+    def producer(self, msg) -> Pass:
+        chunk = self.chunk_of(msg.src_stage)
+        if msg.kind == Kind.ACT:
+            return Pass(Op.F, msg.mb, chunk)
+        return next(p for p in (Pass(Op.B, msg.mb, chunk), Pass(Op.BW, msg.mb, chunk)) if p in self.passes)
 
-
-def _backward_of(schedule: Schedule, rank: int, position: dict, mb: int, chunk: int) -> int:
-    return next(position[p] for p in schedule.ranks[rank] if p.op in (Op.B, Op.BW) and p.mb == mb and p.chunk == chunk)
-
-
-def _hand_over(schedule: Schedule, rank: int, p: Pass, position: dict) -> int | None:
-    """Where the pass that takes this pass's output on the same rank (a V's turn) runs, None if there is none."""
-    if produced(schedule, rank, p) is not None:
-        return None
-    kind, offset = facts(p.op).sends
-    vstage = schedule.virtual_stage(rank, p.chunk)
-    target = vstage + offset
-    if not 0 <= target < schedule.num_virtual_stages:
-        return None
-    chunk = _chunk_of(schedule, rank, target)
-    if kind == Kind.ACT:
-        return position[Pass(Op.F, p.mb, chunk)]
-    return _backward_of(schedule, rank, position, p.mb, chunk)
+    def hand_over(self, p: Pass) -> int | None:
+        """Where the pass that takes this pass's output on the same rank (a V's turn) runs, None if there is none."""
+        sends = facts(p.op).sends
+        if sends is None or produced(self.schedule, self.rank, p) is not None:
+            return None
+        target = self.schedule.virtual_stage(self.rank, p.chunk) + sends[1]
+        if not 0 <= target < self.schedule.num_virtual_stages:
+            return None
+        chunk = self.chunk_of(target)
+        return self.passes[Pass(Op.F, p.mb, chunk)] if sends[0] == Kind.ACT else self.backward[(p.mb, chunk)]
