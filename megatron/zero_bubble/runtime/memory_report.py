@@ -67,7 +67,8 @@ def describe_memory(record: dict) -> str:
     if all(v is None for v in record["measured_bytes"]):
         measured = f"{record['source']}; "
     else:
-        measured = f"measured {_mib(record['measured_bytes'])} ({record['source']}, after each pass, above the call's start), "
+        measured = (f"measured {_mib(record['measured_bytes'])} ({record['source']}, after each pass, above the "
+                    f"call's start), ")
     line = (f"zero-bubble: activation memory per rank in iteration {record['iteration']}: {measured}{planned} "
             f"({record['schedule']} on the measured M_B and M_W, pipeline tensors included)")
     if any(v is not None for v in record["measured_in_passes_bytes"]):

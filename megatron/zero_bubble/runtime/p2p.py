@@ -5,10 +5,10 @@ Operations are posted one by one with torch.distributed.isend/irecv on the pipel
 which is how both NCCL and gloo pair untagged messages.
 
 A send's tensor is held until the send completes. gloo's send never reports completion unless waited for, so
-sends are completed at points the program fixes (what the memory model counts, schedules/memory.py): once a
-message from the same peer arrived whose receive was posted after the send (the peer posted its receive of
-the send before that message, so the wait needs nothing more of it), before the backward of an F whose
-output it is, and at the end of the call; NCCL's may complete earlier (`reap_sends`).
+sends are completed at points the program fixes (what the held-memory model counts, schedules/held_memory.py):
+once a message from the same peer arrived whose receive was posted after the send (the peer posted its receive of
+the send before that message, so the wait needs nothing more of it), before the backward of an F whose output it
+is, and at the end of the call; NCCL's may complete earlier (`reap_sends`).
 """
 from __future__ import annotations
 

@@ -178,8 +178,9 @@ class ReplanningPipeline:
                                                     call_kwargs["micro_batch_size"], call_kwargs.get("decoder_seq_length"))
         t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, current_device())
         report = self.profiler.report(len(chunks), pg.pp.rank())
-        report.update(pipeline_tensor_bytes=math.prod(shape) * torch.empty((), dtype=config.pipeline_dtype).element_size(),
-                      outputs_freed_when_sent=bool(config.deallocate_pipeline_outputs))  # for the held-memory model
+        element = torch.empty((), dtype=config.pipeline_dtype).element_size()
+        report.update(pipeline_tensor_bytes=math.prod(shape) * element,  # for the held-memory model
+                      outputs_freed_when_sent=bool(config.deallocate_pipeline_outputs))
         m = call_kwargs["num_microbatches"]
         previous = self.plan_for(m)
         schedule, memory = self._agree(m, self._local_facts(report=report, t_comm=t_comm), previous)
