@@ -165,7 +165,9 @@ class DeferredLinearWeightGrad:
     def __init__(self, ctx, input, weight, grad_output):
         self.input = input.detach()  # drop the autograd history: only the values are needed
         self.weight = weight
-        self.grad_output = grad_output
+        # Detached too: a gradient may carry a grad_fn (the LM head's is its logits, which megatron's cross entropy
+        # turned into the softmax in place), which would keep the microbatch's whole backward graph until W.
+        self.grad_output = grad_output.detach()
         self.main_grad = ctx.main_grad
         self.fusion = ctx.gradient_accumulation_fusion
         self.sequence_parallel = ctx.sequence_parallel

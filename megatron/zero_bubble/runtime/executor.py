@@ -17,6 +17,7 @@ import torch
 from ..schedules.schedule import Schedule, ScheduleError
 from .iteration import Iteration, IterationStats, LoweredRun, PassObserver, StepValidation
 from .megatron_passes import MegatronPasses, MegatronRun
+from .memory_probe import MemoryProbe
 from .p2p import PipelineTransport, current_device
 from .replay import Rewind
 from .split_check import ChunkRun, SplitCheck, fixed_input, keep_attributes
@@ -53,6 +54,7 @@ class PipelineExecutor:
         self._attached_to: tuple | None = None  # (ids of the chunks, split) the stores were made for
         self._lowered: dict[tuple[int, bool], tuple[Schedule, LoweredRun]] = {}
         self.last_stats = IterationStats()
+        self.memory_probe: MemoryProbe | None = None  # set: every call reads the allocator (a call may pass its own)
 
     def attach_post_validation(self, controller: StepValidation | None) -> None:
         self.post_validation = controller
@@ -167,7 +169,11 @@ class PipelineExecutor:
         pg_collection=None,
         force_all_reduce: bool | None = False,
         pass_observer: PassObserver | None = None,
+        memory_probe: MemoryProbe | None = None,
     ):
+        memory = memory_probe or self.memory_probe
+        if memory is not None:  # the baseline: weights, gradient buffers and optimizer state are in place
+            memory.start()
         chunks = model if isinstance(model, list) else [model]
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         if len(iterators) != len(chunks):
@@ -209,7 +215,7 @@ class PipelineExecutor:
                                         validation_numel=validation.size if validation else 0,
                                         token_counts=validation is not None and config.calculate_per_token_loss),
             stores=stores, validation=validation,
-            rollback=rollback, rewind=rewind, observer=pass_observer or self.observer,
+            rollback=rollback, rewind=rewind, observer=pass_observer or self.observer, memory=memory,
         )
         if config.timers is not None:
             config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -221,5 +227,7 @@ class PipelineExecutor:
         iteration.finish_backward()
         if config.timers is not None:
             config.timers("forward-backward").stop()
+        if memory is not None:
+            iteration.stats.memory = memory.finish()
         self.last_stats = iteration.stats
         return run.forward_data_store

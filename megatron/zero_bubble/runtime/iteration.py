@@ -24,6 +24,7 @@ from ..schedules.costs import Costs
 from ..schedules.ops import Kind, Op
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
+from .memory_probe import HeldMemory, MemoryProbe
 from .p2p import PipelineTransport
 from .replay import Rewind
 from .wgrad_store import WeightGradStore
@@ -93,6 +94,7 @@ class IterationStats:
     peak_activations: int = 0  # (microbatch, chunk) pairs whose F ran and whose B has not
     peak_in_flight: int = 0  # pairs whose F ran and whose W (or BW) has not
     peak_wgrad_bytes: int = 0  # bytes kept for deferred W (inputs and output gradients of linear layers)
+    memory: HeldMemory | None = None  # allocated bytes after each compute pass (profiled calls; memory_probe.py)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class Iteration:
     rollback: object = None  # this rank's RollbackProgram when the schedule has a V pass
     rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
     observer: PassObserver | None = None
+    memory: MemoryProbe | None = None  # reads the allocator after each compute pass (profiled calls only)
     clock: Callable[[], float] = time.perf_counter
     backward_finished: bool = False
     replaying: bool = False
@@ -177,7 +180,7 @@ class Iteration:
                 self.transport.reap_sends()
                 self._await_inputs(item)
                 self._observed(item, self._compute_pass[item.op], synchronize=True)
-                self._account()
+                self._account(item)
         settle()
         self.transport.finish()
         for store in self.stores:
@@ -268,11 +271,13 @@ class Iteration:
         the largest that came with a gradient (complete by the rank's last backward; p2p.py)."""
         return max(self.compute.token_count(), self.transport.tokens_received)
 
-    def _account(self) -> None:
+    def _account(self, p: Pass) -> None:
         s = self.stats
         s.peak_activations = max(s.peak_activations, len(self.saved))
         s.peak_in_flight = max(s.peak_in_flight, self.in_flight)
         s.peak_wgrad_bytes = max(s.peak_wgrad_bytes, sum(st.pending_bytes for st in self.stores))
+        if self.memory is not None:
+            self.memory.sample(p)
 
     # -- messages --------------------------------------------------------------------------------------
     def _await_inputs(self, p: Pass) -> None:

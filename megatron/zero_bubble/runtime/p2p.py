@@ -3,6 +3,12 @@
 Operations are posted one by one with torch.distributed.isend/irecv on the pipeline group; the lowering
 (schedules/comm.py) already put them in an order that matches in posting order between every two ranks,
 which is how both NCCL and gloo pair untagged messages.
+
+A send's tensor is held until the send completes. gloo's send never reports completion unless waited for, so
+sends are completed at points the program fixes (what the held-memory model counts, schedules/held_memory.py):
+once a message from the same peer arrived whose receive was posted after the send (the peer posted its receive of
+the send before that message, so the wait needs nothing more of it), before the backward of an F whose output it
+is, and at the end of the call; NCCL's may complete earlier (`reap_sends`).
 """
 from __future__ import annotations
 
@@ -24,8 +30,9 @@ class PipelineTransport:
         self.group = pp_group
         self.validation_numel = validation_numel  # the optimizer step's summaries (post_validation.py)
         self.shape, self.dtype, self.device = shape, dtype, device
-        self._recvs: dict[Message, tuple[dist.Work, torch.Tensor]] = {}
-        self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object]] = {}
+        self._posted = 0  # receives and sends posted so far: their order on this rank
+        self._recvs: dict[Message, tuple[dist.Work, torch.Tensor, int]] = {}  # ..., when it was posted
+        self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object, int]] = {}  # ..., on_done, when posted
         # Per-token loss under post-validation: every gradient message is followed by the loss stage's token
         # count as far as its sender knows it. Gradients flow away from the loss stage and a rank's last
         # backward comes after all its forwards, so by its last backward every rank knows the full count,
@@ -46,7 +53,7 @@ class PipelineTransport:
             buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.device)
         else:  # megatron receives activations and gradients into leaf tensors that require grad
             buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
-        self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer)
+        self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer, self._post())
         if self._with_count(msg):  # posted right after its gradient on both sides, so they pair in order
             count = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._count_recvs[msg] = (dist.irecv(count, src=self._global(msg.src), group=self.group), count)
@@ -54,19 +61,26 @@ class PipelineTransport:
     def wait_recv(self, msg: Message) -> torch.Tensor:
         if msg not in self._recvs:
             raise RuntimeError(f"the lowered schedule never posted the receive of {msg.describe()}")
-        work, buffer = self._recvs.pop(msg)
+        work, buffer, posted = self._recvs.pop(msg)
         work.wait()
         if msg in self._count_recvs:
             work, count = self._count_recvs.pop(msg)
             work.wait()
             self.tokens_received = max(self.tokens_received, int(count.item()))
+        for earlier in [m for m, send in self._sends.items() if m.dst == msg.src and send[3] < posted]:
+            self.complete_send(earlier)  # received by now on the peer's side (see the module docstring)
         return buffer
+
+    def _post(self) -> int:
+        self._posted += 1
+        return self._posted
 
     def post_send(self, msg: Message, tensor: torch.Tensor, on_done=None, tokens: int = 0) -> None:
         """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output);
         `tokens`: the loss stage's token count as this rank knows it (with `token_counts`, gradients only)."""
         if not carries_microbatch(msg.kind):
-            self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor, on_done)
+            self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor,
+                                on_done, self._post())
             return
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(
@@ -74,7 +88,8 @@ class PipelineTransport:
                 f"(variable sequence lengths are not supported by the zero-bubble runtime)"
             )
         payload = tensor.detach().to(self.dtype).contiguous()  # kept alive until the send completes
-        self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload, on_done)
+        self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload, on_done,
+                            self._post())
         if self._with_count(msg):
             count = torch.tensor([tokens], dtype=torch.int64, device=self.device)
             self._count_sends[msg] = (dist.isend(count, dst=self._global(msg.dst), group=self.group), count)
@@ -92,7 +107,7 @@ class PipelineTransport:
 
     def reap_sends(self, block: bool = False) -> None:
         """Complete the sends that are done (all of them when block=True), releasing their buffers."""
-        for msg in [m for m, (work, _, _) in self._sends.items() if block or work.is_completed()]:
+        for msg in [m for m, (work, *_) in self._sends.items() if block or work.is_completed()]:
             self.complete_send(msg)
 
     def finish(self) -> None:

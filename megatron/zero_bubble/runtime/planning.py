@@ -16,6 +16,7 @@ from ..schedules.memory import rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
+from .memory_report import memory_record
 
 DEVICE_MEMORY_SHARE = 0.9  # default share of free device memory the automatic limit lets activations take
 
@@ -41,6 +42,7 @@ class PlanDecision:
 
     schedule_json: str | None = None
     error: str | None = None
+    memory: dict | None = None  # after a timer window: measured against planned (memory_report.py)
 
 
 def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t_comm: float) -> Costs:
@@ -102,6 +104,7 @@ class RankZeroPlanner:
             source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
         cost_aware = schedule_kind(s.schedule).cost_aware
         limit = self.memory_limit(costs, gathered) if cost_aware else None
+        reports = [f["report"] for f in gathered if f.get("report")]
         try:
             if cost_aware or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
@@ -111,11 +114,16 @@ class RankZeroPlanner:
                 schedule = Schedule.from_dict(previous.to_dict())
                 schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}
         except ScheduleError as error:
-            return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})")
+            memory = memory_record(previous, costs, reports, None, s.timers_end_iter) if previous else None
+            return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})", memory=memory)
         schedule.info.update(costs=costs.to_dict(), memory_limit=limit, costs_from=source)
+        memory = None
         if previous is not None:
             schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
-        return PlanDecision(schedule_json=schedule.to_json())
+            memory = memory_record(previous, costs, reports, schedule, s.timers_end_iter)
+            if memory is not None:
+                schedule.info["memory"] = memory
+        return PlanDecision(schedule_json=schedule.to_json(), memory=memory)
 
     def accept(self, schedule: Schedule) -> None:
         """The schedule every rank agreed on: its costs are the ones to re-plan from."""

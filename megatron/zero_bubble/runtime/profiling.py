@@ -16,6 +16,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from .memory_probe import HeldMemory
+
 
 class PassProfile:
     """Samples of one rank: pass times per (op, chunk) and activation bytes per chunk."""
@@ -57,6 +59,7 @@ class Profiler:
     def __init__(self, chunks: int):
         self.profile = PassProfile()
         self._held = [0] * chunks  # bytes each chunk's WeightGradStore held after its previous pass
+        self.memory: HeldMemory | None = None  # what the allocator said after each pass of the last iteration
 
     def forward_step(self, forward_step_func, model):
         """forward_step_func that also records the activation bytes of each F (first timed iteration only:
@@ -82,11 +85,18 @@ class Profiler:
             self.profile.record_wgrad_bytes(chunk, held_bytes - self._held[chunk])
         self._held[chunk] = held_bytes
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, memory: HeldMemory | None = None) -> None:
         self.profile.iterations += 1
+        if memory is not None:
+            self.memory = memory
 
     def report(self, chunks: int, pp_rank: int) -> dict:
-        return dict(self.profile.summary(chunks), pp_rank=pp_rank)
+        """The summary of the window; with memory figures (memory_report.py) when a probe read them."""
+        report = dict(self.profile.summary(chunks), pp_rank=pp_rank)
+        if self.memory is not None:
+            report.update(held_peak_bytes=self.memory.peak, held_in_passes_bytes=self.memory.peak_in_passes,
+                          held_source=self.memory.source)
+        return report
 
 
 def saved_activation_bytes(output: torch.Tensor, parameters) -> int:

@@ -12,11 +12,15 @@ It owns a `PipelineExecutor` whose `plan_for(m)` it answers, and puts three coll
   and activation bytes. At the end of counter timers_end_iter - 1 each rank times a p2p ping-pong
   (T_comm), rank 0 re-plans from the measurements (the slowest replica of each stage), and every rank
   switches at the same iteration (logged as timers_end_iter + 1).
+  In the timer window a memory probe (memory_probe.py) also reads the allocator after every compute pass.
 Rank 0 prints one line when the training schedule is first planned and one after re-planning (iterations
-named as megatron's log names them); with a dump directory it writes each schedule as JSON and PNG.
+named as megatron's log names them), and at the end of the timer window one line with the memory each rank
+held in the last profiled iteration next to the planner's prediction (memory_report.py); with a dump
+directory it writes each schedule as JSON (the re-planned one with that comparison) and PNG.
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable
@@ -32,6 +36,8 @@ from ..schedules.trace import TraceRow, chrome_trace, write_trace
 from ..schedules.validate import validate
 from .agreement import agree, schedule_of
 from .executor import PipelineExecutor
+from .memory_probe import MemoryProbe
+from .memory_report import describe_memory
 from .p2p import current_device
 from .planning import PlanSettings, RankZeroPlanner, describe_costs
 from .profiling import Profiler, measure_p2p_seconds
@@ -52,6 +58,7 @@ class ReplanningPipeline:
         self.planner = RankZeroPlanner(settings, log)
         self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profiler: Profiler | None = None
+        self.memory_probe: MemoryProbe | None = None  # reads the allocator in profiled calls only
         self._call_start, self._measured = 0.0, []  # the timed call's start and its passes (pass, start, end)
         self._announced: set[int] = set()
 
@@ -77,12 +84,14 @@ class ReplanningPipeline:
         if timing:
             if self.profiler is None:
                 self.profiler = Profiler(s.chunks)
+                self.memory_probe = self.memory_probe or MemoryProbe(current_device())
             kwargs["forward_step_func"] = self.profiler.forward_step(kwargs["forward_step_func"], kwargs["model"])
         if timing:  # this iteration's passes, from the start of this call (the last one is dumped)
             self._call_start, self._measured = time.perf_counter(), []
-        result = self.executor(**kwargs, pass_observer=self._record_pass if timing else None)
+        result = self.executor(**kwargs, pass_observer=self._record_pass if timing else None,
+                               memory_probe=self.memory_probe if timing else None)
         if timing:
-            self.profiler.end_iteration()
+            self.profiler.end_iteration(self.executor.last_stats.memory)
             if iteration == s.timers_end_iter - 1:
                 self._replan(kwargs, first_logged=iteration + 2)  # megatron logs counter i as iteration i+1
         return result
@@ -98,7 +107,7 @@ class ReplanningPipeline:
     def plan_for(self, num_microbatches: int) -> Schedule:
         schedule = self.schedules.get(num_microbatches)
         if schedule is None:
-            schedule = self._agree(num_microbatches, self._local_facts(), previous=None)
+            schedule, _ = self._agree(num_microbatches, self._local_facts(), previous=None)
             self.schedules[num_microbatches] = schedule
         return schedule
 
@@ -110,8 +119,9 @@ class ReplanningPipeline:
             facts["free_bytes"] = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         return facts
 
-    def _agree(self, m: int, facts: dict, previous: Schedule | None) -> Schedule:
-        """The schedule rank 0 plans from every rank's `facts`; `previous` when re-planning failed."""
+    def _agree(self, m: int, facts: dict, previous: Schedule | None) -> tuple[Schedule, dict | None]:
+        """The schedule rank 0 plans from every rank's `facts` (`previous` when re-planning failed), and after a
+        timer window the memory measured against planned (memory_report.py)."""
         decision = agree(facts, lambda gathered: self.planner.decide(m, gathered, previous))
         try:
             schedule = schedule_of(decision)
@@ -119,9 +129,9 @@ class ReplanningPipeline:
             if previous is None:
                 raise
             self.log(f"{error}; keeping the current schedule")
-            return previous
+            return previous, decision.memory
         self.planner.accept(schedule)
-        return schedule
+        return schedule, decision.memory
 
     # -- what rank 0 tells -----------------------------------------------------------------------------
     def _report(self, schedule: Schedule, when: str) -> None:
@@ -168,20 +178,27 @@ class ReplanningPipeline:
                                                     call_kwargs["micro_batch_size"], call_kwargs.get("decoder_seq_length"))
         t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, current_device())
         report = self.profiler.report(len(chunks), pg.pp.rank())
+        element = torch.empty((), dtype=config.pipeline_dtype).element_size()
+        report.update(pipeline_tensor_bytes=math.prod(shape) * element,  # for the held-memory model
+                      outputs_freed_when_sent=bool(config.deallocate_pipeline_outputs))
         m = call_kwargs["num_microbatches"]
         previous = self.plan_for(m)
-        schedule = self._agree(m, self._local_facts(report=report, t_comm=t_comm), previous)
+        schedule, memory = self._agree(m, self._local_facts(report=report, t_comm=t_comm), previous)
         self.profiler = None
+        if memory is not None:
+            self.log(describe_memory(memory))
         if self.settings.dump_dir is not None:
-            self._dump_measured(previous, Costs.from_dict(schedule.info["costs"]), pg.pp.rank(), first_logged - 1)
+            self._dump_measured(previous, Costs.from_dict(schedule.info["costs"]), pg.pp.rank(), first_logged - 1,
+                                memory)
         if schedule is not previous:
             self.schedules[m] = schedule
             self._report(schedule, str(first_logged))
 
-    def _dump_measured(self, ran: Schedule, costs: Costs, pp_rank: int, logged_iteration: int) -> None:
+    def _dump_measured(self, ran: Schedule, costs: Costs, pp_rank: int, logged_iteration: int,
+                       memory: dict | None = None) -> None:
         """Every rank's passes of the last profiled iteration, next to their planned starts (`ran` simulated on
         the measured costs), as Chrome trace JSON in the dump directory. Each rank's times run from the start of
-        its own forward-backward call."""
+        its own forward-backward call. `memory`: measured against planned (memory_report.py), under otherData."""
         mine = [(pp_rank, p.op.value, p.mb, p.chunk, start, end) for p, start, end in self._measured]
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -194,5 +211,8 @@ class ReplanningPipeline:
                 for rank, passes in enumerate(gathered) for pipeline_rank, op, mb, chunk, start, end in passes]
         os.makedirs(self.settings.dump_dir, exist_ok=True)
         stem = f"{self.settings.schedule}-m{ran.microbatches}-measured-iter{logged_iteration}"
-        write_trace(chrome_trace(rows, source=f"measured ({self.settings.schedule}, iteration {logged_iteration})",
-                                 ranks=len(gathered)), os.path.join(self.settings.dump_dir, stem + ".trace.json"))
+        trace = chrome_trace(rows, source=f"measured ({self.settings.schedule}, iteration {logged_iteration})",
+                             ranks=len(gathered))
+        if memory is not None:
+            trace["otherData"] = {"memory": memory}
+        write_trace(trace, os.path.join(self.settings.dump_dir, stem + ".trace.json"))
