@@ -114,7 +114,7 @@ def _renumbered(item: Action, offset: int) -> Action:
     """The same action for microbatch mb + offset: a replay is told apart from the stale original."""
     if isinstance(item, Pass):
         return replace(item, mb=item.mb + offset)
-    return type(item)(replace(item.msg, mb=item.msg.mb + offset))
+    return type(item)(item.msg._replace(mb=item.msg.mb + offset))
 
 
 def check_rollback(schedule: Schedule, programs: list[list[Action]]) -> None:

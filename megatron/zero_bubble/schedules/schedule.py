@@ -16,7 +16,7 @@ from typing import Iterator
 from .errors import ScheduleError
 from .ops import OPS, Op, as_op, facts
 
-__all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "stage_owner", "virtual_stage"]
+__all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "rank_stages", "stage_owner", "virtual_stage"]
 LAYOUTS = ("single", "interleaved", "v")
 
 
@@ -62,6 +62,11 @@ def stage_owner(layout: str, stages: int, vstage: int) -> tuple[int, int]:
     if layout == "v":
         return (vstage, 0) if vstage < stages else (2 * stages - 1 - vstage, 1)
     raise ScheduleError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def rank_stages(layout: str, stages: int, chunks: int) -> list[tuple[int, ...]]:
+    """The virtual stages each rank holds, by chunk: rank_stages(...)[r][k] = virtual_stage(layout, p, r, k)."""
+    return [tuple(virtual_stage(layout, stages, r, k) for k in range(chunks)) for r in range(stages)]
 
 
 @dataclass

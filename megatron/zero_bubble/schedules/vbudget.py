@@ -312,26 +312,23 @@ def budget_curve(stages: int, microbatches: int, costs: Costs | None = None,
     return curve
 
 
-def _limit(memory_limit, memory_limit_absolute, default: float) -> MemoryLimit:
-    """The given limit (a MemoryLimit, in-flight microbatches, or the older absolute keyword), else the default."""
-    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+def _limit(memory_limit: MemoryLimit | float | None, default: float) -> MemoryLimit:
+    """The given limit (a MemoryLimit or in-flight microbatches), else the default."""
+    limit = MemoryLimit.of(memory_limit)
     return MemoryLimit(default) if limit is None else limit
 
 
-def zb_v(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def zb_v(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """ZB-V: the best V plan within the budget, p M_B (1F1B's peak) by default; zero bubble with
     T_F = T_B = T_W there. Any budget from V-Min's up is accepted."""
-    return plan_v("zb-v", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, zb_v_memory_limit(stages)))
+    return plan_v("zb-v", stages, microbatches, costs, _limit(memory_limit, zb_v_memory_limit(stages)))
 
 
-def v_half(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def v_half(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """V-Half: the same planner within about half of 1F1B's activation memory, (p+2)//2 M_B by default."""
-    return plan_v("v-half", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, v_half_memory_limit(stages)))
+    return plan_v("v-half", stages, microbatches, costs, _limit(memory_limit, v_half_memory_limit(stages)))
 
 
-def v_min(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def v_min(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """V-Min: the same planner within about a third of 1F1B's activation memory, (p+4)//3 M_B by default."""
-    return plan_v("v-min", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, v_min_memory_limit(stages)))
+    return plan_v("v-min", stages, microbatches, costs, _limit(memory_limit, v_min_memory_limit(stages)))
