@@ -305,26 +305,40 @@ RULES = tuple(Rule(False, fill, bubble, patience, warmup)
               for fill in (1.0, 0.5, 0.0) for bubble in (True, False)
               for patience in (0.0, 0.25) for warmup in (0.0, 0.1, 0.25, 0.5)) + tuple(
     Rule(True, fill, bubble) for fill in (1.0, 0.5, 0.0) for bubble in (True, False))
-CHUNK_ORDERS = ("deep", "shallow", "oldest")
+# With several chunks per rank: chosen greedily (each cuts the summed regret most) from a sweep of 6 rules x 4
+# chunk orders x 2 forward waits x 4 cap shapes on the paper's 12 rows at v = 2 and 4, at interleaved 1F1B's
+# peak and twice it; only the memory rule ever won, so every favourite leaves the caps to it.
+CHUNKED_FAVOURITES = tuple(("memory", rule) for rule in (
+    Rule(warmup_patience=0.5, fill=0.5, f_order="deep", b_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.25, f_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.5, fill=0.5, f_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.5, b_order="oldest"),
+    Rule(f_order="oldest"),
+    Rule(warmup_patience=0.5, fill=0.5, f_order="oldest"),
+    Rule(f_order="shallow"),
+    Rule(warmup_patience=0.5),
+))
+CHUNKED_RUNS = 24  # most greedy runs with several chunks: favourites, then other rules and orders
 
 
 def favourites(problem: Problem) -> tuple[tuple[str, Rule], ...]:
-    if problem.chunks == 1:
-        return FAVOURITES
-    return tuple((shape, replace(rule, f_order=f, b_order=b)) for shape, rule in FAVOURITES
-                 for f in CHUNK_ORDERS for b in CHUNK_ORDERS)
+    return FAVOURITES if problem.chunks == 1 else CHUNKED_FAVOURITES
 
 
 def rules(problem: Problem) -> tuple[Rule, ...]:
     if problem.chunks == 1:
         return RULES
-    return tuple(replace(rule, f_order=f, b_order=b) for rule in RULES for f in CHUNK_ORDERS for b in CHUNK_ORDERS)
+    return tuple(replace(rule, f_order=f, b_order=b, f_wait=wait) for rule in RULES for wait in (0.5, 0.0)
+                 for f in ("oldest", "deep", "shallow") for b in ("deep", "oldest"))
 
 
 def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
-    """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes."""
+    """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes (with
+    several chunks: at most CHUNKED_RUNS runs, and no cap tuning, the memory rule being what limits)."""
     shapes = cap_shapes(problem)
     cost = 3 * problem.num_virtual_stages * problem.microbatches
+    if problem.chunks > 1:
+        budget = min(budget, CHUNKED_RUNS * cost)
     enough = span_lower_bound(problem) * (1 + TOLERANCE)
     tried: dict[tuple[tuple[int, ...], Rule], Plan] = {}
 
@@ -348,7 +362,7 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
         best = run(shapes["memory"], Rule())
     caps, rule = next(key for key, plan in tried.items() if plan is best)
     most = [min(problem.memory_cap(r), problem.microbatches) for r in range(problem.stages)]
-    improved = True
+    improved = problem.chunks == 1
     while improved and budget >= cost:
         improved = False
         for s in range(problem.stages):
@@ -360,7 +374,7 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
                 plan = run(trial, rule)
                 if better(plan, best):
                     best, caps, improved = plan, trial, True
-    for shape in shapes.values():
+    for shape in (shapes.values() if problem.chunks == 1 else [shapes["memory"]]):
         for rule in rules(problem):
             if best.span <= enough or budget < cost:
                 return best

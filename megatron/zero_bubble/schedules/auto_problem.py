@@ -186,4 +186,4 @@ def _ratio(work: float, memory: float) -> float:
 
 def to_schedule(problem: Problem, plan: Plan, info: dict) -> Schedule:
     return Schedule(problem.stages, problem.chunks, problem.microbatches, problem.layout,
-                    [[Pass(*step) for step in order] for order in plan.orders], name="zb-auto", info=info)
+                    [[Pass._make(step) for step in order] for order in plan.orders], name="zb-auto", info=info)

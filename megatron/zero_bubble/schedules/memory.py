@@ -8,12 +8,7 @@ from __future__ import annotations
 from .costs import Costs
 from .ops import facts
 from .problem import MemoryLimit
-from .schedule import Pass, Schedule
-
-
-def memory_delta(p: Pass, vstage: int, costs: Costs) -> float:
-    """Activation memory a pass adds (negative: frees) on its virtual stage."""
-    return facts(p.op).memory_change(costs, vstage)
+from .schedule import Schedule
 
 
 def memory_profile(schedule: Schedule, costs: Costs) -> list[list[float]]:

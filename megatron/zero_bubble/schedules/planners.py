@@ -17,11 +17,12 @@ from .costs import Costs
 from .post_validation import with_post_validation
 from .problem import MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
+from .simulate import Timeline
 from .validate import validate
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind", "accepts_chunks",
            "conflicting_options", "default_memory_limit", "layout_of", "multi_chunk_schedules", "natural_chunks",
-           "pipeline_schedule_names", "plan", "resolve", "schedule_kind", "split_backward_schedules"]
+           "pipeline_schedule_names", "plan", "plan_with_timeline", "resolve", "schedule_kind", "split_backward_schedules"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class ScheduleKind:
     trainable: bool = True  # offered by pretrain_gpt.py (--pipeline-schedule) and run by the runtime
     min_chunks: int | None = None  # chunks per rank it plans for, from min_chunks (None: `chunks` only) ...
     max_chunks: int | None = None  # ... to max_chunks (None: no upper bound once min_chunks is given)
+    ilp: bool = False  # refines its plan with a time-limited ILP (PlanRequest.ilp_time_limit)
+    default_memory_text: str = ""  # the default limit as a formula, for help texts
 
     @property
     def conflicting_options(self) -> tuple[Conflict, ...]:
@@ -99,16 +102,19 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "zb-h2": ScheduleKind("single", 1, split_backward=True, cost_aware=False,
                           build=lambda r: handcrafted.zb_h2(r.stages, r.microbatches)),
     "zb-auto": ScheduleKind(
-        "single", 1, split_backward=True, cost_aware=True, min_chunks=1,
+        "single", 1, split_backward=True, cost_aware=True, min_chunks=1, ilp=True,
         default_memory_limit=auto.interleaved_memory_limit,
+        default_memory_text="2p (ZB-2p) with one chunk; with v chunks interleaved 1F1B's peak, (2(p-1) + (v-1)p + 1)/v",
         build=lambda r: auto.zb_auto(r.stages, r.microbatches, r.costs, r.memory_limit, chunks=r.chunks,
                                      ilp_time_limit=r.ilp_time_limit, progress=r.progress)),
     "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.zb_v),
-                         default_memory_limit=_per_stages(vshape.zb_v_memory_limit)),
+                         default_memory_limit=_per_stages(vshape.zb_v_memory_limit), default_memory_text="p"),
     "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_half),
-                           default_memory_limit=_per_stages(vshape.v_half_memory_limit), trainable=False),
+                           default_memory_limit=_per_stages(vshape.v_half_memory_limit), trainable=False,
+                           default_memory_text="(p+2)//2"),
     "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_min),
-                          default_memory_limit=_per_stages(vshape.v_min_memory_limit), trainable=False),
+                          default_memory_limit=_per_stages(vshape.v_min_memory_limit), trainable=False,
+                          default_memory_text="(p+4)//3"),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
@@ -179,6 +185,11 @@ def resolve(name: str, request: PlanRequest) -> PlanRequest:
 
 def plan(name: str, request: PlanRequest) -> Schedule:
     """Build the named schedule and check it with the validator before handing it out."""
+    return plan_with_timeline(name, request)[0]
+
+
+def plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Timeline]:
+    """`plan`, and the validator's simulated timeline of the schedule on the request's costs."""
     kind = schedule_kind(name)
     if request.stages < 2 and name != "1f1b":
         raise ScheduleError(f"pipeline schedules need at least 2 stages, got {request.stages}")
@@ -194,4 +205,4 @@ def plan(name: str, request: PlanRequest) -> Schedule:
     schedule.info["predicted"].update(
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory
     )
-    return schedule
+    return schedule, timeline

@@ -5,13 +5,13 @@ backward, as 1F1B runs it). Each names a microbatch and a model chunk; the layou
 virtual stage. V and S are the post-validation passes (post_validation.py): one each per rank, as
 microbatch 0 on the rank's last chunk.
 What each kind of pass needs, costs and sends is in ops.TABLE.
-The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
+The JSON form is the contract the README states ("The schedule JSON") and what outside tools read.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .errors import ScheduleError
 from .ops import OPS, Op, as_op, facts
@@ -20,15 +20,20 @@ __all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "rank_st
 LAYOUTS = ("single", "interleaved", "v")
 
 
-@dataclass(frozen=True)
-class Pass:
-    op: Op  # given as Op or its string ("F"); an unknown string is refused here
+class _PassFields(NamedTuple):
+    op: Op
     mb: int
-    chunk: int = 0
+    chunk: int
 
-    def __post_init__(self):
-        if type(self.op) is not Op:
-            object.__setattr__(self, "op", as_op(self.op))
+
+class Pass(_PassFields):
+    """One compute pass: an op (given as Op or its string, "F"; an unknown string is refused here), a
+    microbatch and a model chunk. An immutable tuple: planners make and compare hundreds of thousands."""
+
+    __slots__ = ()
+
+    def __new__(cls, op, mb: int, chunk: int = 0):
+        return tuple.__new__(cls, (op if type(op) is Op else as_op(op), mb, chunk))
 
     def __str__(self) -> str:
         if not facts(self.op).per_microbatch:  # once per rank: its name says it all

@@ -12,6 +12,7 @@ iteration's span (it waits for them only before stepping, while the next iterati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from .costs import Costs
@@ -65,23 +66,31 @@ class Timeline:
         return ends[1].end - ends[0].start if ends is not None else 0.0
 
     def busy(self, rank: int) -> float:
-        return sum(t.end - t.start for t in self.ranks[rank])
+        return self._busy[rank]
+
+    @cached_property
+    def _busy(self) -> list[float]:  # worked out once: planners score many timelines of large plans
+        return [sum(t.end - t.start for t in passes) for passes in self.ranks]
+
+    @cached_property
+    def _longest_span(self) -> float:
+        return max(self.span(r) for r in range(len(self.ranks)))
 
     @property
     def bubble_time(self) -> float:
         """Paper's measure: longest per-rank span (own first to own last pass) minus the busiest rank's work."""
-        return max(self.span(r) for r in range(len(self.ranks))) - max(self.busy(r) for r in range(len(self.ranks)))
+        return self._longest_span - max(self._busy)
 
     @property
     def bubble_rate(self) -> float:
-        cost = max(self.span(r) for r in range(len(self.ranks)))
+        cost = self._longest_span
         return self.bubble_time / cost if cost > 0 else 0.0
 
     @property
     def bubble_rate_from_zero(self) -> float:
         """Bubble rate with every rank measured from time 0 to the makespan (start-up counted as idle)."""
         cost = self.makespan
-        return (cost - max(self.busy(r) for r in range(len(self.ranks)))) / cost if cost > 0 else 0.0
+        return (cost - max(self._busy)) / cost if cost > 0 else 0.0
 
 
 def simulate(schedule: Schedule, costs: Costs) -> Timeline:
@@ -92,14 +101,16 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             f"costs describe {costs.num_virtual_stages} virtual stages but the schedule has {nv}"
         )
     p, m = schedule.stages, max(1, schedule.microbatches)
-    # ended[op][stage][mb]: when (op, mb, stage) got done, -1 while it has not (per list: planners time big plans)
+    # ended[op][stage][mb]: when (op, mb, stage) got done, -1 while it has not (lists: planners time big plans);
+    # waiting[op][stage]: microbatch -> ranks stopped at a pass that needs it
     ended = {op: [[-1.0] * m for _ in range(nv)] for op in Op}
-    rows = _rows(schedule, costs, ended)
+    waiting = {op: [{} for _ in range(nv)] for op in Op}
+    rows = _rows(schedule, costs, ended, waiting)
     timed: list[list[TimedPass]] = [[] for _ in range(p)]
     pos, free = [0] * p, [0.0] * p
-    # A rank runs its passes until one lacks an input; it then waits on that (end-time list, microbatch) and
-    # runs on once the input ends. Each pass is looked at about once, whichever way the dependencies point.
-    runnable, waiting = list(reversed(range(p))), {}
+    # A rank runs its passes until one lacks an input; it then waits for that input and runs on once it ends.
+    # Each pass is looked at about once, whichever way the dependencies point.
+    runnable = list(reversed(range(p)))
     while runnable:
         rank = runnable.pop()
         passes, at, end, row_of, out = schedule.ranks[rank], pos[rank], free[rank], rows[rank], timed[rank]
@@ -111,10 +122,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                                     f"microbatches (the validator names such problems first)")
             vs, needs, length, completes = row
             ready = 0.0
-            for done, comm in needs:
+            for done, comm, waiters in needs:
                 arrives = done[mb]
                 if arrives < 0:
-                    waiting.setdefault((id(done), mb), []).append(rank)
+                    waiters.setdefault(mb, []).append(rank)
                     break
                 arrives += comm
                 if arrives > ready:
@@ -123,11 +134,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 start = end if end > ready else ready
                 end = start + length
                 out.append(TimedPass(rank, vs, op, start, end))
-                for work in completes:
+                for work, waiters in completes:
                     work[mb] = end
-                    woken = waiting.pop((id(work), mb), None)
-                    if woken:
-                        runnable += woken
+                    if waiters and mb in waiters:
+                        runnable += waiters.pop(mb)
                 at += 1
                 continue
             break
@@ -138,9 +148,9 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     return Timeline(schedule, costs, timed, peaks)
 
 
-def _rows(schedule: Schedule, costs: Costs, ended: dict) -> list[dict]:
-    """Per rank, the table's row of each (chunk, op): virtual stage, needs as (end times of the needed
-    pass, T_comm to get here), duration, and the end-time lists the pass fills in."""
+def _rows(schedule: Schedule, costs: Costs, ended: dict, waiting: dict) -> list[dict]:
+    """Per rank, the table's row of each (chunk, op): virtual stage, needs as (end times of the needed pass,
+    T_comm to get here, who waits for it), duration, and the (end times, waiters) the pass fills in."""
     nv, p = schedule.num_virtual_stages, schedule.stages
     rows = []
     for rank in range(p):
@@ -148,9 +158,10 @@ def _rows(schedule: Schedule, costs: Costs, ended: dict) -> list[dict]:
         for chunk in range(schedule.chunks):
             vs = schedule.virtual_stage(rank, chunk)
             for op, f in TABLE.items():
-                needs = tuple((ended[need][u], costs.t_comm if schedule.owner(u)[0] != rank else 0.0)
+                needs = tuple((ended[need][u], costs.t_comm if schedule.owner(u)[0] != rank else 0.0, waiting[need][u])
                               for need, u in f.needed_stages(vs, nv, p))
-                row_of[chunk, op] = (vs, needs, f.duration(costs, vs), tuple(ended[work][vs] for work in f.completes))
+                completes = tuple((ended[work][vs], waiting[work][vs]) for work in f.completes)
+                row_of[chunk, op] = (vs, needs, f.duration(costs, vs), completes)
         rows.append(row_of)
     return rows
 
