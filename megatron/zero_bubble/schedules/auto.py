@@ -22,10 +22,13 @@ from typing import Callable, Sequence
 
 from .auto_problem import TOLERANCE, Plan, Problem, Step, span_lower_bound, to_schedule
 from .costs import Costs
+from .baselines import interleaved_one_f_one_b
 from .ilp import refine
+from .memory import memory_profile
 from .problem import MemoryLimit
 from .ops import Op
 from .schedule import Schedule, ScheduleError
+from .simulate import simulate
 
 __all__ = ["Plan", "Problem", "Rule", "best_heuristic", "default_memory_limit", "greedy",
            "interleaved_memory_limit", "span_lower_bound", "to_schedule", "zb_auto"]
@@ -334,11 +337,12 @@ def rules(problem: Problem) -> tuple[Rule, ...]:
 
 def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
     """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes (with
-    several chunks: at most CHUNKED_RUNS runs, and no cap tuning, the memory rule being what limits)."""
+    several chunks: half of them, at most CHUNKED_RUNS runs, and no cap tuning, the memory rule being what
+    limits). The first variant always runs."""
     shapes = cap_shapes(problem)
     cost = 3 * problem.num_virtual_stages * problem.microbatches
-    if problem.chunks > 1:
-        budget = min(budget, CHUNKED_RUNS * cost)
+    if problem.chunks > 1:  # longer runs, more to validate: half the passes, and the runs capped
+        budget = min(budget // 2, CHUNKED_RUNS * cost)
     enough = span_lower_bound(problem) * (1 + TOLERANCE)
     tried: dict[tuple[tuple[int, ...], Rule], Plan] = {}
 
@@ -381,6 +385,24 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
             plan = run(shape, rule)
             best = plan if better(plan, best) else best
     return best
+
+
+def split_interleaved(problem: Problem) -> Plan | None:
+    """Megatron's interleaved 1F1B with each fused backward run as B then W (same time and memory), if megatron
+    can order these microbatches and it fits the limits: a plan at least as good as the schedule zb-auto
+    replaces (with few microbatches per rank the greedy can do worse)."""
+    try:
+        baseline = interleaved_one_f_one_b(problem.stages, problem.microbatches, problem.chunks)
+    except ScheduleError:
+        return None
+    orders = [[step for x in passes for step in
+               (((Op.B, x.mb, x.chunk), (Op.W, x.mb, x.chunk)) if x.op is Op.BW else ((x.op, x.mb, x.chunk),))]
+              for passes in baseline.ranks]
+    schedule = to_schedule(problem, Plan(orders, 0.0, ""), {})
+    if any(not problem.fits(r, max(held, default=0.0)) for r, held in enumerate(memory_profile(schedule, problem.costs))):
+        return None
+    timeline = simulate(schedule, problem.costs)
+    return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), "interleaved 1F1B, backward split")
 
 
 def default_memory_limit(stages: int) -> float:
@@ -437,6 +459,9 @@ def zb_auto(
                 f"memory limit {limits[r]:.4g} on rank {r} is below one microbatch's activations ({need:.4g})"
             )
     plan = best_heuristic(problem)
+    baseline = split_interleaved(problem) if chunks > 1 else None
+    if baseline is not None and baseline.span < plan.span * (1 - 1e-12):
+        plan = baseline
     notes = {**limit.to_info(), "heuristic": plan.label, "heuristic_span": plan.span}
     if ilp_time_limit and ilp_time_limit > 0:
         plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)  # imports highspy only now

@@ -14,10 +14,11 @@ dependency sends. After a replay point (V) every receive the rank needs is poste
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 from typing import NamedTuple, Union
 
 from .costs import Costs
-from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts
+from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import Timeline, simulate
 
@@ -122,14 +123,28 @@ def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     return _message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
 
 
+_ORDER = itemgetter(0, 1, 2)  # a pair's messages: by (production order, producing rank, its position)
+
+
+def _replay_points(schedule: Schedule) -> dict[int, int]:
+    """Each rank's position of its replay point (V), for the ranks that have one."""
+    points = {}
+    for op in (op for op, f in TABLE.items() if f.replay_point):
+        at = Pass(op, 0, per_rank_chunk(schedule.chunks))
+        for rank, passes in enumerate(schedule.ranks):
+            if at in passes:  # a tuple search in C: plans without post-validation have hundreds of thousands
+                points[rank] = passes.index(at)
+    return points
+
+
 def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
     """Each rank's program: its compute passes with Send/Recv posts placed between them."""
     if timeline is None:
         costs = costs or Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
         timeline = simulate(schedule, costs)
     table = _link_table(schedule)
-    make = Message._make
-    replay_index = {rank: pos for rank, pos, p in schedule.passes() if facts(p.op).replay_point}
+    new = tuple.__new__  # a Message from fields that are right already (the link's kind is a Kind)
+    replay_index = _replay_points(schedule)
     replay_time = {rank: timeline.ranks[rank][pos].end for rank, pos in replay_index.items()}
     # Where each message is consumed, by (kind number, microbatch, source stage, destination stage): plain int
     # tuples, quick to hash for hundreds of thousands of messages.
@@ -153,33 +168,50 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
             link = links[op.chunk, op.op][0]
             if link is not None:
                 kind, src_stage, dst_stage, src, dst, number = link
-                consumed_at = consume_index[number, op.mb, src_stage, dst_stage]
+                mb = op.mb
+                consumed_at = consume_index[number, mb, src_stage, dst_stage]
                 order = (t.end, 0)
-                if dst in replay_index and consumed_at > replay_index[dst]:
+                if replay_index and dst in replay_index and consumed_at > replay_index[dst]:
                     order = max(order, (replay_time[dst], 1))
                 pair = (src, dst) if src < dst else (dst, src)
-                msg = make((kind, op.mb, src_stage, dst_stage, src, dst))
-                pairs.setdefault(pair, []).append((order, rank, pos, msg, consumed_at))
+                msg = new(Message, (kind, mb, src_stage, dst_stage, src, dst))
+                entry = (order, rank, pos, msg, consumed_at)
+                queue = pairs.get(pair)
+                if queue is None:
+                    pairs[pair] = [entry]
+                else:
+                    queue.append(entry)
     # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
     slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
     for pair, messages in sorted(pairs.items()):
-        messages.sort(key=lambda item: item[:3])
+        messages.sort(key=_ORDER)
         last_slot = {pair[0]: 0, pair[1]: 0}
         for _, _, produced_at, msg, consumed_at in messages:
-            src, dst = msg.src, msg.dst
-            send_slot = max(last_slot[src], produced_at + 1)
+            src, dst = msg[4], msg[5]
+            send_slot = last_slot[src]
+            if produced_at >= send_slot:
+                send_slot = produced_at + 1
             recv_slot = last_slot[dst]
-            replay = replay_index.get(dst)
-            if replay is not None and consumed_at > replay:
-                # A receive posted before V could be matched by a replayed message after a rollback.
-                recv_slot = max(recv_slot, replay + 1)
+            if replay_index:
+                replay = replay_index.get(dst)
+                if replay is not None and consumed_at > replay:
+                    # A receive posted before V could be matched by a replayed message after a rollback.
+                    recv_slot = max(recv_slot, replay + 1)
             if recv_slot > consumed_at:
                 raise ScheduleError(
                     f"rank {dst} cannot post the receive of {msg.describe()} before it needs it: "
                     f"the in-order matching with rank {src} puts it too late"
                 )
-            slots[src].setdefault(send_slot, []).append(Send(msg))
-            slots[dst].setdefault(recv_slot, []).append(Recv(msg))
+            posts = slots[src].get(send_slot)
+            if posts is None:
+                slots[src][send_slot] = [Send(msg)]
+            else:
+                posts.append(Send(msg))
+            posts = slots[dst].get(recv_slot)
+            if posts is None:
+                slots[dst][recv_slot] = [Recv(msg)]
+            else:
+                posts.append(Recv(msg))
             last_slot[src], last_slot[dst] = send_slot, recv_slot
     programs = []
     for rank, passes in enumerate(schedule.ranks):
