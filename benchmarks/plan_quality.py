@@ -201,6 +201,82 @@ def zbv_table(rows, errors: list[str], goals: list[tuple[str, bool]]) -> None:
                               ours.bubble_rate <= theirs.bubble_rate + 1e-9))
 
 
+INTERLEAVED_CHUNKS = (2, 4)
+
+
+def _timeline(name: str, model: str, p: int, m: int, chunks: int, **options):
+    costs = row_costs(model, p, m, chunks)
+    return simulate(plan(name, PlanRequest(p, m, costs, chunks=chunks, **options)), costs)
+
+
+def interleaved_bound(model: str, p: int, m: int, chunks: int, limit: float) -> float:
+    """Bubble rate at the interleaved lower bound on the longest span (auto_problem.interleaved_lower_bound)."""
+    from megatron.zero_bubble.schedules.auto import Problem, span_lower_bound
+    from megatron.zero_bubble.schedules.memory import rank_memory_limits
+
+    costs = row_costs(model, p, m, chunks)
+    problem = Problem.from_costs(p, m, costs, rank_memory_limits(p, chunks, "interleaved", costs, limit), chunks)
+    span, busy = span_lower_bound(problem), max(problem.busy(r) for r in range(p))
+    return (span - busy) / span
+
+
+def _with_peak(timeline) -> str:
+    return "n/a" if timeline is None else f"{_rate(timeline.bubble_rate)} [{max(timeline.peak_memory):.3g}]"
+
+
+def interleaved_table(rows, ilp_limit: float, errors: list[str], goals: list[tuple[str, bool]]) -> list[str]:
+    """zb-auto with v chunks per rank (megatron's interleaved placement) against interleaved 1F1B at its peak
+    memory and twice it, PyTorch's ScheduleInterleavedZeroBubble, ZB-2p and ZB-V; returns the README rows."""
+    from megatron.zero_bubble.schedules.auto import interleaved_memory_limit
+
+    reference = _torch_reference()
+    print("\nInterleaved layouts (v chunks per rank, virtual stage k*p + r; each chunk 1/v of a rank's times and "
+          "memory, the full T_comm):\nbubble rate (paper's measure) [peak activation memory in M_B]; ours = zb-auto "
+          f"--chunks v at 1F1B-I's peak (ILP {ilp_limit:g} s), 2x = at twice that peak; ZB-2p, ZB-V: ours")
+    columns = ("1F1B-I v=2", "1F1B-I v=4", "torch IZB v=2", "ours v=2", "ours v=4", "2x v=2", "2x v=4", "ZB-2p", "ZB-V")
+    print(f"{'#':>3} {'model':>6} {'p':>3} {'m':>4}  " + "  ".join(f"{c:>14}" for c in columns))
+    readme = []
+    for index, (model, p, m, paper) in rows:
+        label = f"{model}/{p}/{m}"
+        cells: dict[str, object] = {}
+        for v in INTERLEAVED_CHUNKS:
+            base = _try(errors, f"{label} 1F1B-I v={v}", lambda: _timeline("interleaved-1f1b", model, p, m, v))
+            limit = interleaved_memory_limit(p, v, m)
+            ours = _try(errors, f"{label} zb-auto v={v}", lambda: _timeline(
+                "zb-auto", model, p, m, v, ilp_time_limit=ilp_limit))
+            double = _try(errors, f"{label} zb-auto v={v} 2x", lambda: _timeline(
+                "zb-auto", model, p, m, v, memory_limit=2 * limit, ilp_time_limit=ilp_limit))
+            cells[f"1F1B-I v={v}"], cells[f"ours v={v}"], cells[f"2x v={v}"] = base, ours, double
+            if base and ours:
+                text = f"zb-auto v={v} {label}: {ours.bubble_rate:.4f} <= half of 1F1B-I's {base.bubble_rate:.4f}"
+                met = ours.bubble_rate <= base.bubble_rate / 2 + 1e-12
+                if not met:
+                    text += f" (interleaved lower bound: {interleaved_bound(model, p, m, v, limit):.4f})"
+                goals.append((text, met))
+            if double:
+                text = f"zb-auto v={v} at 2x {label}: {double.bubble_rate:.4f} <= ZB-2p's {paper[5]:.4f} (paper)"
+                met = double.bubble_rate <= paper[5] + PAPER_ROUNDING
+                if not met:
+                    text += f" (interleaved lower bound: {interleaved_bound(model, p, m, v, 2 * limit):.4f})"
+                goals.append((text, met))
+        if reference:
+            costs = row_costs(model, p, m, 2)
+            theirs = _try(errors, f"{label} torch IZB", lambda: simulate(
+                reference.torch_interleaved_zb_schedule(p, 2, m), costs))
+            cells["torch IZB v=2"] = theirs
+            if theirs and cells["ours v=2"]:
+                ours = cells["ours v=2"].bubble_rate
+                goals.append((f"zb-auto v=2 {label}: {ours:.4f} <= torch's interleaved ZB {theirs.bubble_rate:.4f}",
+                              ours <= theirs.bubble_rate + 1e-12))
+        cells["ZB-2p"] = _try(errors, f"{label} ZB-2p", lambda: _timeline(
+            "zb-auto", model, p, m, 1, memory_limit=2 * p, ilp_time_limit=ilp_limit))
+        cells["ZB-V"] = _try(errors, f"{label} ZB-V", lambda: _timeline("zb-v", model, p, m, 2))
+        print(f"{index:>3} {model:>6} {p:>3} {m:>4}  " + "  ".join(f"{_with_peak(cells.get(c)):>14}" for c in columns),
+              flush=True)
+        readme.append(f"| {model}, {p}, {m} | " + " | ".join(_with_peak(cells.get(c)) for c in columns) + " |")
+    return readme
+
+
 def heuristic_timing(errors: list[str], goals: list[tuple[str, bool]]) -> None:
     """The heuristic alone (zb_auto with the ILP off, no validation), p=32, m=256."""
     from megatron.zero_bubble.schedules.auto import zb_auto
@@ -264,27 +340,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help=f"rows {', '.join(QUICK_ROWS)} only, ILP limit at most 2 s, one timing run of the V family")
     parser.add_argument("--v-only", action="store_true", help="only the V family's tables (issue 12)")
+    parser.add_argument("--interleaved-only", action="store_true", help="only the interleaved table (issue 22)")
+    parser.add_argument("--readme", action="store_true", help="also print the interleaved table as README rows")
     args = parser.parse_args(argv)
     selectors = args.rows.split(",") if args.rows else (list(QUICK_ROWS) if args.quick else [])
     ilp_limit = min(args.ilp_time_limit, 2.0) if args.quick else args.ilp_time_limit
     main_rows, zbv_rows = select([s.strip() for s in selectors if s.strip()])
     errors: list[str] = []
     goals: list[tuple[str, bool]] = []
-    if args.v_only:
+    interleaved_rows = main_rows
+    if args.v_only or args.interleaved_only:
         main_rows, zbv_rows = [], []
+    if args.v_only:
+        interleaved_rows = []
     print(f"ILP time limit {ilp_limit:g} s per zb-auto run; costs: each row's own profiled times, in ms")
     above = main_table(main_rows, ilp_limit, errors, goals) if main_rows else []
+    readme = interleaved_table(interleaved_rows, ilp_limit, errors, goals) if interleaved_rows else []
     if above:
         print("\nZB-2p rows whose heuristic alone is above 1%: heuristic -> ILP-refined (paper)")
         for label, heuristic, refined, paper in above:
             print(f"  {label:>12}: {heuristic:.4f} -> {'n/a' if refined is None else f'{refined:.4f}'} ({paper:.4f})")
     if zbv_rows:
         zbv_table(zbv_rows, errors, goals)
-    if not args.v_only:
+    if not (args.v_only or args.interleaved_only):
         heuristic_timing(errors, goals)
         if ilp_limit > 0:
             ilp_refinement(ilp_limit, errors, goals)
-    v_family_quality.v_tables(errors, goals, timing_runs=1 if args.quick else 3)
+    if not args.interleaved_only:
+        v_family_quality.v_tables(errors, goals, timing_runs=1 if args.quick else 3)
+    if args.readme:
+        print("\n" + "\n".join(readme))
     if errors:
         print("\nNot computed:")
         for line in errors:

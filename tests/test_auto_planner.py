@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron.zero_bubble.schedules import Costs, ScheduleError, simulate, validate
+from megatron.zero_bubble.schedules import Costs, MemoryLimit, ScheduleError, simulate, validate
 from megatron.zero_bubble.schedules.auto import Problem, best_heuristic, span_lower_bound, zb_auto
 from megatron.zero_bubble.schedules.memory import rank_memory_limits
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan
@@ -69,12 +69,13 @@ def test_absolute_limit_with_heavier_last_stage_from_the_model_shape():
     costs = Costs.from_model(layers=22, hidden=2304, heads=24, seq_length=1024, micro_batch=6, vocab=50257,
                              num_virtual_stages=8)
     limit = 8 * max(costs.m_f)
-    schedule = zb_auto(8, 16, costs, memory_limit_absolute=limit, ilp_time_limit=0)
-    timeline = validate(schedule, costs, memory_limit_absolute=limit, check_comm=CHECK_COMM)
+    schedule = zb_auto(8, 16, costs, MemoryLimit(limit, absolute=True), ilp_time_limit=0)
+    timeline = validate(schedule, costs, MemoryLimit(limit, absolute=True))
     assert max(timeline.peak_memory) <= limit
 
 
-@pytest.mark.parametrize("kwargs", [{"memory_limit": 0.9}, {"memory_limit": 1e-3}, {"memory_limit_absolute": 0.5}])
+@pytest.mark.parametrize("kwargs", [{"memory_limit": 0.9}, {"memory_limit": 1e-3},
+                                    {"memory_limit": MemoryLimit(0.5, absolute=True)}])
 def test_limit_below_one_microbatch_raises(kwargs):
     with pytest.raises(ScheduleError, match="below one microbatch"):
         zb_auto(4, 8, Costs.make(4), ilp_time_limit=0, **kwargs)

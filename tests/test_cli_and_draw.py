@@ -146,6 +146,18 @@ BAD_INPUTS = {
     "no command": [],
     "missing input": ["simulate", "--input", "/nonexistent/plan.json"],
 }
+# Options that would do nothing for the command or the schedule: refused in one line naming the option.
+IGNORED_OPTIONS = {
+    "simulate -o": (["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "-o", "x.txt"], "-o"),
+    "export --width": (["export", "--schedule", "1f1b", "-p", "4", "-m", "8", "--width", "50"], "--width"),
+    "draw --width with -o": (["draw", "--schedule", "1f1b", "-p", "4", "-m", "8", "-o", "x.png", "--width", "50"],
+                             "--width"),
+    "--mw-ratio with a model": (["simulate", "--schedule", "zb-h1", "-m", "8", "--model", "1.5b", "--mw-ratio", "0.4"],
+                                "--mw-ratio"),
+    "--ilp-time-limit without an ILP": (["simulate", "--schedule", "zb-v", "-p", "4", "-m", "8",
+                                         "--ilp-time-limit", "1"], "--ilp-time-limit"),
+    "--chunks for one chunk": (["simulate", "--schedule", "zb-h1", "-p", "4", "-m", "8", "--chunks", "2"], "--chunks"),
+}
 BAD_JSON = {"not json": "{stages: 2", "missing keys": '{"stages": 2}', "a list": "[1, 2]",
             "bad pass": '{"stages": 1, "chunks": 1, "microbatches": 1, "layout": "single", "ranks": [[{"op": "F"}]]}',
             "bad number": '{"stages": "two", "chunks": 1, "microbatches": 1, "layout": "single", "ranks": []}'}
@@ -162,6 +174,32 @@ def assert_one_error_line(code, err):
 def test_bad_input_exits_nonzero_with_one_line(argv, capsys):
     code, _, err = run(argv, capsys)
     assert_one_error_line(code, err)
+
+
+@pytest.mark.parametrize("argv, option", IGNORED_OPTIONS.values(), ids=IGNORED_OPTIONS.keys())
+def test_options_that_would_do_nothing_are_refused_naming_them(argv, option, capsys):
+    code, _, err = run(argv, capsys)
+    assert_one_error_line(code, err)
+    assert option in err
+
+
+def test_planning_options_are_refused_with_a_schedule_read_from_a_file(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    run(["export", "--schedule", "zb-h1", "-p", 3, "-m", 6, "-o", path], capsys)
+    for option in (["--chunks", "2"], ["--ilp-time-limit", "1"]):
+        code, _, err = run(["simulate", "--input", path, *option], capsys)
+        assert_one_error_line(code, err)
+        assert option[0] in err and "--input" in err
+
+
+def test_zb_auto_with_chunks_plans_the_interleaved_layout_from_the_command_line(capsys):
+    code, out, _ = run(["export", "--schedule", "zb-auto", "--chunks", 3, "-p", 4, "-m", 8, "--ilp-time-limit", 0,
+                        "--t-f", 1.2, "--t-b", 1.2, "--t-w", 0.9, "--t-comm", 0.1], capsys)
+    schedule = Schedule.from_json(out)
+    assert code == 0 and (schedule.layout, schedule.chunks) == ("interleaved", 3)
+    costs = Costs.from_dict(schedule.info["costs"])
+    assert costs.t_f == pytest.approx((0.4,) * 12)  # a rank's time split over its three chunks
+    validate(schedule, costs, schedule.info["planner"]["memory_limit"])
 
 
 @pytest.mark.parametrize("text", BAD_JSON.values(), ids=BAD_JSON.keys())
@@ -181,17 +219,10 @@ def test_module_entry_point_reports_errors_without_a_traceback():
     assert_one_error_line(result.returncode, result.stderr)
 
 
-def test_compare_reports_a_refusing_schedule_and_keeps_the_others(monkeypatch, capsys):
-    from megatron.zero_bubble.schedules import ScheduleError, cli
-
-    def plan_or_refuse(name, request):
-        if name == "zb-h1":
-            raise ScheduleError("zb-h1 refuses this request")
-        return plan(name, request)
-
-    monkeypatch.setattr(cli, "plan", plan_or_refuse)
-    code, out, err = run(["compare", "--schedules", "zb-h1,1f1b", "-p", 4, "-m", 8], capsys)
+def test_compare_reports_a_refusing_schedule_and_keeps_the_others(capsys):
+    # megatron's interleaved 1F1B needs m = 6 to be a multiple of the group size p = 4 (or leave >= p over)
+    code, out, err = run(["compare", "--schedules", "interleaved-1f1b,1f1b", "-p", 4, "-m", 6], capsys)
     assert code == 1  # a refusal is reported in the exit status, the table still printed
-    assert err == "zb-schedule: skipped zb-h1: zb-h1 refuses this request\n"
+    assert err.startswith("zb-schedule: skipped interleaved-1f1b: megatron-core requires m=6") and err.count("\n") == 1
     rows = out.split("\n\n")[0].splitlines()[1:]  # the table's rows: under its header, above its legend
     assert [line.split()[0] for line in rows] == ["1f1b"]

@@ -9,10 +9,13 @@ import pytest
 from megatron.zero_bubble.schedules import Costs, Op, Pass, Schedule, ScheduleError, simulate
 from megatron.zero_bubble.schedules.comm import Message, consumed, produced
 from megatron.zero_bubble.schedules.handcrafted import zb_h1
-from megatron.zero_bubble.schedules.memory import memory_delta
 from megatron.zero_bubble.schedules.ops import OPS, RECEIVES, TABLE, Kind, facts, per_rank_ops
 from megatron.zero_bubble.schedules.post_validation import with_post_validation
 from megatron.zero_bubble.schedules.simulate import duration, provides, requires
+
+def memory_change(p: Pass, vstage: int) -> float:
+    return facts(p.op).memory_change(COSTS, vstage)
+
 
 COSTS = Costs.make(3, t_f=[1.0, 2.0, 3.0], t_b=[1.5, 2.5, 3.5], t_w=[0.25, 0.5, 0.75], m_f=[4.0, 5.0, 6.0],
                    m_w=[1.0, 2.0, 3.0], t_comm=0.125)
@@ -50,7 +53,7 @@ def test_the_fused_backward_is_a_b_and_a_w_in_time_memory_and_what_it_completes(
     for vs in range(3):
         bw, b, w = (Pass(op, 0) for op in ("BW", "B", "W"))
         assert duration(bw, vs, COSTS) == duration(b, vs, COSTS) + duration(w, vs, COSTS)
-        assert memory_delta(bw, vs, COSTS) == memory_delta(b, vs, COSTS) + memory_delta(w, vs, COSTS)
+        assert memory_change(bw, vs) == memory_change(b, vs) + memory_change(w, vs)
         assert provides(bw, vs) == provides(b, vs) + provides(w, vs)
         assert requires(bw, vs, 3, 3) == requires(b, vs, 3, 3)
 
@@ -60,7 +63,7 @@ def test_rows_give_the_paper_dependencies_durations_and_memory():
     assert requires(Pass("B", 4), 1, 3, 3) == (("F", 4, 1), ("B", 4, 2))
     assert requires(Pass("W", 4), 1, 3, 3) == (("B", 4, 1),)
     assert [duration(Pass(op, 0), 2, COSTS) for op in ("F", "B", "W")] == [3.0, 3.5, 0.75]
-    assert [memory_delta(Pass(op, 0), 1, COSTS) for op in ("F", "B", "W", "BW")] == [5.0, -3.0, -2.0, -5.0]
+    assert [memory_change(Pass(op, 0), 1) for op in ("F", "B", "W", "BW")] == [5.0, -3.0, -2.0, -5.0]
 
 
 def test_v_is_a_row_once_per_rank_timeless_and_memoryless_waiting_for_the_rank_above():
@@ -68,7 +71,7 @@ def test_v_is_a_row_once_per_rank_timeless_and_memoryless_waiting_for_the_rank_a
     assert per_rank_ops() == (Op.V, Op.S) and not v.takes_time and not v.per_microbatch
     assert v.precedes == (Op.B, Op.BW) and v.replay_point and not v.last
     assert requires(Pass("V", 0), 0, 3, 3) == (("V", 0, 1),) and requires(Pass("V", 0), 2, 3, 3) == ()
-    assert duration(Pass("V", 0), 1, COSTS) == 0.0 and memory_delta(Pass("V", 0), 1, COSTS) == 0.0
+    assert duration(Pass("V", 0), 1, COSTS) == 0.0 and memory_change(Pass("V", 0), 1) == 0.0
     assert str(Pass("V", 0)) == "V" and Pass("V", 0).describe() == "the post-validation pass"
 
 

@@ -33,12 +33,11 @@ def test_per_rank_limits_scale_microbatches_by_each_ranks_activation_and_repeat_
         MemoryLimit(0).per_rank(4, 1, "single", costs)
 
 
-def test_plan_request_keeps_its_two_keyword_spellings_as_one_value():
+def test_plan_request_holds_its_limit_as_one_memory_limit_value():
     assert PlanRequest(4, 8, memory_limit=8).memory_limit == MemoryLimit(8)
-    assert PlanRequest(4, 8, memory_limit_absolute=1.5).memory_limit == MemoryLimit(1.5, absolute=True)
+    limit = MemoryLimit(1.5, absolute=True)
+    assert PlanRequest(4, 8, memory_limit=limit).memory_limit == limit
     assert PlanRequest(4, 8).memory_limit is None
-    with pytest.raises(ScheduleError, match="not both"):
-        PlanRequest(4, 8, memory_limit=8, memory_limit_absolute=1.5)
 
 
 def test_the_registry_resolves_chunks_costs_and_the_default_limit_before_planning():
@@ -57,7 +56,8 @@ def test_every_limit_spelling_plans_the_same_schedule():
     assert by_value.ranks == zb_auto(4, 8, costs, 5, ilp_time_limit=0).ranks
     assert by_value.ranks == zb_auto(4, 8, costs, MemoryLimit(5), ilp_time_limit=0).ranks
     absolute = zb_auto(4, 8, costs, MemoryLimit(3.5, absolute=True), ilp_time_limit=0)
-    assert absolute.ranks == zb_auto(4, 8, costs, memory_limit_absolute=3.5, ilp_time_limit=0).ranks
+    assert absolute.ranks == plan("zb-auto", PlanRequest(4, 8, costs, memory_limit=MemoryLimit(3.5, absolute=True),
+                                                         ilp_time_limit=0)).ranks
     assert absolute.info["planner"]["memory_limit_absolute"] == 3.5
     v_costs = Costs.make(8, chunks=2)
     assert zb_v(4, 8, v_costs).ranks == zb_v(4, 8, v_costs, MemoryLimit(4)).ranks

@@ -9,7 +9,8 @@ import pytest
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate, validate
 from megatron.zero_bubble.schedules.cli import main
 from megatron.zero_bubble.schedules.comm import Message, Recv, Send, check_lowering, consumed, lower, produced
-from megatron.zero_bubble.schedules.memory import memory_delta, memory_profile
+from megatron.zero_bubble.schedules.memory import memory_profile
+from megatron.zero_bubble.schedules.ops import facts
 from megatron.zero_bubble.schedules.planners import SCHEDULES, PlanRequest, plan
 from megatron.zero_bubble.schedules.post_validation import (
     RollbackProgram,
@@ -183,7 +184,7 @@ def test_v_waits_for_the_next_ranks_v_plus_t_comm_and_takes_no_time():
 
 def test_v_holds_no_memory():
     costs = Costs.make(3, m_f=[2.0, 3.0, 4.0], m_w=[1.0, 1.0, 1.0])
-    assert [memory_delta(V, s, costs) for s in range(3)] == [0.0, 0.0, 0.0]
+    assert [facts(V.op).memory_change(costs, s) for s in range(3)] == [0.0, 0.0, 0.0]
     schedule = with_post_validation(plan("zb-h2", PlanRequest(3, 6)))
     for rank, profile in enumerate(memory_profile(schedule, costs)):
         v = schedule.ranks[rank].index(V)

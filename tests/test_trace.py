@@ -45,3 +45,17 @@ def test_a_ranks_actions_print_as_text_and_parse_back(name, post_validation):
 def test_unreadable_actions_are_refused_naming_the_word(text, words):
     with pytest.raises(ScheduleError, match=words):
         parse_actions(text, chunks=2)
+
+
+def test_simulate_writes_the_simulated_timeline_as_a_chrome_trace(tmp_path, capsys):
+    from megatron.zero_bubble.schedules.cli import main
+
+    path = tmp_path / "trace.json"
+    code = main(["simulate", "--schedule", "zb-auto", "--chunks", "2", "-p", "3", "-m", "6", "--ilp-time-limit", "0",
+                 "--t-comm", "0.5", "--trace", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 0 and "bubble rate" in out and f"wrote {path}" in err
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    schedule = plan("zb-auto", PlanRequest(3, 6, Costs.make(6, chunks=2, t_comm=0.5), chunks=2, ilp_time_limit=0))
+    assert sorted(e["name"] for e in events) == sorted(str(x) for passes in schedule.ranks for x in passes)
+    assert {e["args"]["chunk"] for e in events} == {0, 1}

@@ -165,8 +165,8 @@ def test_a_budget_in_bytes_holds_on_every_rank_with_the_lm_head_on_rank_0():
     rank_mb = [costs.m_f[r] + costs.m_f[2 * p - 1 - r] for r in range(p)]
     assert rank_mb[0] > rank_mb[1]  # the last virtual stage (the head) lives on rank 0
     budget = 3 * max(rank_mb)  # bytes: V-Half's 3 M_B on the heaviest rank, more than that elsewhere
-    schedule = zb_v(p, m, costs, memory_limit_absolute=budget)
-    timeline = validate(schedule, costs, memory_limit_absolute=budget)
+    schedule = zb_v(p, m, costs, MemoryLimit(budget, absolute=True))
+    timeline = validate(schedule, costs, MemoryLimit(budget, absolute=True))
     assert max(timeline.peak_memory) <= budget
     with pytest.raises(ScheduleError, match="below V-Min's"):
-        zb_v(p, m, costs, memory_limit_absolute=1.5 * max(rank_mb))
+        zb_v(p, m, costs, MemoryLimit(1.5 * max(rank_mb), absolute=True))

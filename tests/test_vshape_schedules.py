@@ -64,7 +64,7 @@ def test_an_explicit_limit_is_respected_in_microbatches_and_in_absolute_units():
     p, m = 4, 12
     costs = chunk_costs(p, t_comm=0.05)
     validate(zb_v(p, m, costs, memory_limit=2.5), costs, memory_limit=2.5)
-    validate(zb_v(p, m, costs, memory_limit_absolute=2.0), costs, memory_limit_absolute=2.0)
+    validate(zb_v(p, m, costs, MemoryLimit(2.0, absolute=True)), costs, MemoryLimit(2.0, absolute=True))
 
 
 @pytest.mark.parametrize("limit", [0.9, 0.25])

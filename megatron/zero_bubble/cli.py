@@ -4,6 +4,7 @@
 layers, and the planning layer stays free of torch:
 
     zb-schedule rehearse --schedule zb-h1 --stages 8 --microbatches 32 --t-f 18.5 --t-b 18.1 --t-w 9.3 --t-comm 0.7
+    zb-schedule rehearse --schedule zb-auto --chunks 2 --stages 8 --microbatches 32 --t-f 18.5 --t-b 18.1 --t-w 9.3
     zb-schedule rehearse --input out/zb/zb-auto-m8-iter5.json --time-unit-ms 1000   (a dump of pretrain_gpt.py)
 
 It prints one JSON object on stdout and a readable summary on stderr.
@@ -67,7 +68,7 @@ def cmd_rehearse(args) -> None:
                                   "not negative")
     if args.dp_buckets < 1:
         raise planning.UsageError(f"--dp-buckets must be at least 1, got {args.dp_buckets}")
-    schedule, costs, _ = planning._schedule_and_timeline(args)
+    schedule, costs, _ = planning.schedule_and_timeline(args)
     message_kib = DEFAULT_MESSAGE_KIB if args.message_kib is None else args.message_kib
     data_parallel = None
     if args.dp_reduce > 0:

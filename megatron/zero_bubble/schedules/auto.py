@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from .auto_problem import TOLERANCE, Plan, Problem, Step, span_lower_bound, to_schedule
 from .costs import Costs
+from .baselines import interleaved_one_f_one_b
 from .ilp import refine
+from .memory import memory_profile
 from .problem import MemoryLimit
+from .ops import Op
 from .schedule import Schedule, ScheduleError
+from .simulate import simulate
 
-__all__ = ["Plan", "Problem", "Rule", "Step", "best_heuristic", "default_memory_limit", "greedy",
-           "span_lower_bound", "to_schedule", "zb_auto"]
+__all__ = ["Plan", "Problem", "Rule", "best_heuristic", "default_memory_limit", "greedy",
+           "interleaved_memory_limit", "span_lower_bound", "to_schedule", "zb_auto"]
 
 # Passes the heuristic may simulate in all (about half a second of CPU): p=32, m=256 gets 16 runs.
 PASS_BUDGET = 400_000
@@ -40,8 +45,13 @@ class Rule:
       the cap); strict needs caps that never increase along the pipeline to be deadlock-free.
     fill: a W also goes into an idle gap of at least fill * T_W, delaying the next pass by T_W - gap.
     bubble: also insert such a W when leaving the gap idle would make this stage the most idle so far.
-    patience, warmup_patience: after / before a stage's first B, do not start an F when the next B
+    patience, warmup_patience: after / before a rank's first B, do not start an F when the next B
       arrives within that many T_F (an F then would delay the B the stages before wait for).
+    f_order, b_order: with several chunks per rank, which ready F (B) goes first: "deep" (the highest
+      virtual stage: closer to the loss, or further from the end of the backward), "shallow" (the lowest)
+      or "oldest" (the lowest microbatch, then the deepest).
+    f_wait: before a rank's first B, do not start an F when one the order prefers arrives within that many
+      of its T_F (the warm-up has time to spare; the microbatch on its way to the loss has not).
     """
 
     strict: bool = False
@@ -49,111 +59,217 @@ class Rule:
     bubble: bool = True
     patience: float = 0.0
     warmup_patience: float = 0.0
+    f_order: str = "deep"
+    b_order: str = "deep"
+    f_wait: float = 0.0
 
     def __str__(self) -> str:
         order = "strict 1F1B order" if self.strict else "eager B/F"
         bubble = " + bubble rule" if self.bubble else ""
-        return f"{order}, W fill {self.fill:g}{bubble}, patience {self.patience:g}/{self.warmup_patience:g}"
+        chunks = "" if (self.f_order, self.b_order, self.f_wait) == ("deep", "deep", 0.0) else \
+            f", F {self.f_order} first (waiting {self.f_wait:g} T_F for it), B {self.b_order} first"
+        return f"{order}, W fill {self.fill:g}{bubble}, patience {self.patience:g}/{self.warmup_patience:g}{chunks}"
 
 
-def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan:
-    """Schedule F and B in time order with the real costs, placing W as the module docstring says."""
-    p, m, tc = problem.stages, problem.microbatches, problem.t_comm
-    t_f, t_b, t_w, m_f, m_w = problem.t_f, problem.t_b, problem.t_w, problem.m_f, problem.m_w
+# (weight of microbatch * virtual stages, weight of virtual stage) in the key a rule's chunk order minimises
+_ORDER_KEYS = {"deep": (0, -1), "shallow": (0, 1), "oldest": (1, -1)}
+
+
+class _Rank:
+    """One rank's progress in a greedy run: per chunk the next F and B, the W passes waiting (in B order)."""
+
+    __slots__ = ("next_f", "next_b", "waiting", "waiting_memory", "held", "free", "start", "idle", "order", "done")
+
+    def __init__(self, chunks: int):
+        self.next_f, self.next_b = [0] * chunks, [0] * chunks
+        self.waiting: deque = deque()  # (chunk, microbatch, virtual stage) whose B ran and W not
+        self.waiting_memory = 0.0  # what those W passes would free
+        self.held, self.free, self.start, self.idle = 0.0, 0.0, -1.0, 0.0
+        self.order: list[Step] = []
+        self.done = 0  # B passes run
+
+
+def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan | None:
+    """Schedule F and B in time order with the real costs, placing W as the module docstring says; None if
+    the caps and rule deadlock (strict rules need caps that never increase along the pipeline)."""
+    p, m, v, n = problem.stages, problem.microbatches, problem.chunks, problem.num_virtual_stages
+    t_f, t_b, t_w = problem.time[Op.F], problem.time[Op.B], problem.time[Op.W]
+    d_f, d_b, d_w = problem.memory[Op.F], problem.memory[Op.B], problem.memory[Op.W]
+    stage_of, owner = problem.stage_of, problem.owner
     room = [x * (1 + TOLERANCE) + TOLERANCE for x in problem.limits]
-    strict, fill, bubble = rule.strict, rule.fill, rule.bubble
-    end_f = [[-1.0] * m for _ in range(p)]
-    end_b = [[-1.0] * m for _ in range(p)]
-    orders: list[list[Step]] = [[] for _ in range(p)]
-    free, start, idle, held = [0.0] * p, [-1.0] * p, [0.0] * p, [0.0] * p
-    nf, nb, nw = [0] * p, [0] * p, [0] * p
-    events = [(0.0, s) for s in range(p)]  # (time, stage): decide when free or when an input arrives
+    forward_room = [room[r] - problem.backward_extra(r) for r in range(p)]
+    strict, fill, bubble, total = rule.strict, rule.fill, rule.bubble, v * m
+    ends = {Op.F: [[-1.0] * m for _ in range(n)], Op.B: [[-1.0] * m for _ in range(n)]}
+    # ops.TABLE's needs of F and B per virtual stage as (end times of the needed pass per microbatch, T_comm)
+    inputs = {op: [tuple((ends[need][u], comm) for need, u, comm in problem.needs[op][w]) for w in range(n)]
+              for op in (Op.F, Op.B)}
+    inputs_f, inputs_b = inputs[Op.F], inputs[Op.B]
+    end_f, end_b = ends[Op.F], ends[Op.B]
+    # the other ranks whose passes need a pass's output, with the T_comm it takes to reach them
+    wakes = {op: [tuple((owner[w], comm) for _, w, comm in problem.users[op][u] if owner[w] != owner[u])
+                  for u in range(n)] for op in (Op.F, Op.B)}
+    wake_f, wake_b = wakes[Op.F], wakes[Op.B]
+    f_mb, f_stage = _ORDER_KEYS[rule.f_order]
+    b_mb, b_stage = _ORDER_KEYS[rule.b_order]
+    f_mb, b_mb = f_mb * n, b_mb * n
+    ranks = [_Rank(v) for _ in range(p)]
+    events = [(0.0, r) for r in range(p)]  # (time, rank): decide when free or when an input arrives
     push, pop = heapq.heappush, heapq.heappop
     most_idle = 0.0
     while events:
-        now, s = pop(events)
-        slack = TOLERANCE * (1.0 + now)
-        if nb[s] == m or free[s] > now + slack:
+        now, r = pop(events)
+        rk = ranks[r]
+        latest = now + TOLERANCE * (1.0 + now)  # inputs arriving by then count as there
+        if rk.done == total or rk.free > latest:
             continue
-        j, k = nb[s], nf[s]
-        b_arrival = -1.0  # when B(j) can start on s; -1 while the next stage has not run it
-        if j < k:
-            if s == p - 1:
-                b_arrival = end_f[s][j]
-            elif end_b[s + 1][j] >= 0:
-                b_arrival = max(end_f[s][j], end_b[s + 1][j] + tc)
-        b_ready = 0 <= b_arrival <= now + slack
-        under_cap = k < m and k - j < caps[s]
-        f_ready = under_cap and (s == 0 or 0 <= end_f[s - 1][k] and end_f[s - 1][k] + tc <= now + slack)
-        if strict:  # F while under the cap, else B
-            b_ready = b_ready and not under_cap
-            f_ready = f_ready and under_cap
-        elif f_ready and not b_ready and s > 0 and 0 <= b_arrival:
-            wait = rule.warmup_patience if j == 0 else rule.patience
-            f_ready = b_arrival >= now + wait * t_f[s]
-        if b_ready:
-            op, mb, delta, length = "B", j, m_w[s] - m_f[s], t_b[s]
-        elif f_ready:
-            op, mb, delta, length = "F", k, m_f[s], t_f[s]
+        own, nf, nb = stage_of[r], rk.next_f, rk.next_b
+        b_pick, b_key, b_arrival = -1, 0, -1.0  # b_arrival: the earliest known arrival of a next B
+        for c in range(v):
+            j = nb[c]
+            if j >= nf[c]:
+                continue
+            u, at = own[c], 0.0
+            for done, comm in inputs_b[u]:
+                if done[j] < 0:
+                    break
+                if done[j] + comm > at:
+                    at = done[j] + comm
+            else:
+                if b_arrival < 0 or at < b_arrival:
+                    b_arrival = at
+                key = b_mb * j + b_stage * u
+                if at <= latest and (b_pick < 0 or key < b_key):
+                    b_pick, b_key = c, key
+        under_cap = nf[0] < m and nf[0] - nb[0] < caps[r]
+        f_pick, f_key, f_soon, f_soon_key = -1, 0, -1.0, 0  # f_soon: when the preferred F arriving next does
+        for c in range(v):
+            k = nf[c]
+            if k >= m or (c == 0 and not under_cap):
+                continue
+            u, at = own[c], 0.0
+            for done, comm in inputs_f[u]:
+                if done[k] < 0:
+                    at = -1.0
+                elif done[k] + comm > at:
+                    at = done[k] + comm
+            if at < 0 or not (v == 1 or _room_for_forward(problem, rk, r, c, forward_room[r])):
+                continue
+            key = f_mb * k + f_stage * u
+            if at <= latest:
+                if f_pick < 0 or key < f_key:
+                    f_pick, f_key = c, key
+            elif f_soon < 0 or key < f_soon_key:
+                f_soon, f_soon_key = at, key
+        if (f_pick >= 0 and rk.done == 0 and 0 <= f_soon < now + rule.f_wait * t_f[own[f_pick]]
+                and f_soon_key < f_key):
+            f_pick = -1  # a preferred F arrives soon: wait for it rather than delay it by this one
+        if strict:  # F while under the cap, else B (or the F of a microbatch already admitted)
+            if under_cap:
+                b_pick = -1
+            elif b_pick >= 0:
+                f_pick = -1
+        elif f_pick >= 0 and b_pick < 0 and b_arrival >= 0 and own[f_pick] > 0:
+            wait = rule.warmup_patience if rk.done == 0 else rule.patience
+            if b_arrival < now + wait * t_f[own[f_pick]]:
+                f_pick = -1  # wait for the B that arrives soon
+        if b_pick >= 0:
+            c = b_pick
+            u = own[c]
+            op, mb, delta, length = Op.B, nb[c], d_b[u], t_b[u]
+        elif f_pick >= 0:
+            c = f_pick
+            u = own[c]
+            op, mb, delta, length = Op.F, nf[c], d_f[u], t_f[u]
         else:
             continue  # wait: the next arrival is another decision point
-        order, tw = orders[s], t_w[s]
-        t = free[s] if start[s] >= 0 else now
+        waiting = rk.waiting
+        t = rk.free if rk.start >= 0 else now
         # W passes the memory limit forces, then those that fit in the idle gap, then maybe one more.
-        while nw[s] < j and (held[s] + delta > room[s] or t + tw <= now + slack):
-            order.append(("W", nw[s]))
-            nw[s] += 1
-            t += tw
-            held[s] -= m_w[s]
+        while waiting and (rk.held + delta > room[r] or t + t_w[waiting[0][2]] <= latest):
+            t = _run_w(rk, t, t_w, d_w)
         gap = now - t
-        if nw[s] < j and gap > slack and (gap >= fill * tw or (bubble and idle[s] + gap > most_idle)):
-            order.append(("W", nw[s]))
-            nw[s] += 1
-            t += tw
-            held[s] -= m_w[s]
-        if start[s] < 0:
-            start[s] = now
+        if waiting and gap > latest - now and (gap >= fill * t_w[waiting[0][2]] or (bubble and rk.idle + gap > most_idle)):
+            t = _run_w(rk, t, t_w, d_w)
+        if rk.start < 0:
+            rk.start = now
         elif now > t:
-            idle[s] += now - t
-            most_idle = max(most_idle, idle[s])
+            rk.idle += now - t
+            most_idle = max(most_idle, rk.idle)
             t = now
-        order.append((op, mb))
-        end = free[s] = t + length
-        held[s] += delta
-        if op == "F":
-            end_f[s][mb] = end
-            nf[s] += 1
-            if s + 1 < p:
-                push(events, (end + tc, s + 1))
+        rk.order.append((op, mb, c))
+        end = rk.free = t + length
+        rk.held += delta
+        if op is Op.F:
+            end_f[u][mb] = end
+            nf[c] += 1
+            wake = wake_f[u]
         else:
-            end_b[s][mb] = end
-            nb[s] += 1
-            if s > 0:
-                push(events, (end + tc, s - 1))
-        push(events, (end, s))
-    if any(nb[s] < m for s in range(p)):
-        raise ScheduleError("the automatic planner's caps deadlock; strict rules need caps that never increase")
+            end_b[u][mb] = end
+            nb[c] += 1
+            rk.done += 1
+            waiting.append((c, mb, u))
+            rk.waiting_memory -= d_w[u]
+            wake = wake_b[u]
+        for other, comm in wake:
+            push(events, (end + comm, other))
+        push(events, (end, r))
+    if any(rk.done < total for rk in ranks):
+        return None
     spans = []
-    for s in range(p):
-        orders[s] += [("W", i) for i in range(nw[s], m)]
-        spans.append(free[s] + (m - nw[s]) * t_w[s] - start[s])
-    return Plan(orders, max(spans), f"caps {list(caps)}, {rule}")
+    for rk in ranks:
+        t = rk.free
+        while rk.waiting:
+            t = _run_w(rk, t, t_w, d_w)
+        spans.append(t - rk.start)
+    return Plan([rk.order for rk in ranks], max(spans), f"caps {list(caps)}, {rule}")
+
+
+def _run_w(rk: _Rank, t: float, t_w, d_w) -> float:
+    """Run the rank's oldest waiting W at time t; returns when it ends."""
+    c, mb, u = rk.waiting.popleft()
+    rk.order.append((Op.W, mb, c))
+    rk.held += d_w[u]
+    rk.waiting_memory += d_w[u]
+    return t + t_w[u]
+
+
+def _room_for_forward(problem: Problem, rk: _Rank, r: int, c: int, room: float) -> bool:
+    """Whether an F of chunk c leaves room (once the waiting W passes free theirs) for the rest of the
+    forwards of the oldest microbatch still without all of them on this rank. Every F but that
+    microbatch's own admission keeps this room, so it can always reach the loss and come back; whatever
+    else the rank holds belongs to older microbatches, whose backward passes need nothing more of this
+    rank. So the greedy cannot deadlock on memory. (With one chunk the caps, never above
+    Problem.memory_cap, already keep room for each F.)"""
+    nf, own, d_f = rk.next_f, problem.stage_of[r], problem.memory[Op.F]
+    oldest = nf[-1]  # every chunk below the last has run its F for it; it is admitted if chunk 0 has
+    rest = 0.0
+    if oldest < nf[0]:  # room for what the oldest still lacks, but for this F if it is one of them
+        rest = sum(d_f[u] for u, k in zip(own, nf) if k <= oldest) - (d_f[own[c]] if nf[c] == oldest else 0.0)
+    return rk.held - rk.waiting_memory + d_f[own[c]] + rest <= room
 
 
 def ideal_warmups(problem: Problem) -> list[float]:
-    """F a stage can run before B of microbatch 0 returns to it (the paper's k for stage 0)."""
-    p, tc, m = problem.stages, problem.t_comm, problem.microbatches
+    """Microbatches a rank can start before B of microbatch 0 returns to it (the paper's k for stage 0): the
+    time from the end of its first F until its first B can start, over one microbatch's F on all its chunks."""
+    m, n, t_f, t_b = problem.microbatches, problem.num_virtual_stages, problem.time[Op.F], problem.time[Op.B]
     out = []
-    for s in range(p):
-        round_trip = sum(problem.t_f[t] + problem.t_b[t] + 2 * tc for t in range(s + 1, p))
-        out.append(1 + round_trip / problem.t_f[s] if problem.t_f[s] > 0 else float(m))
+    for own in problem.stage_of:
+        first, last = own[0], own[-1]
+        round_trip = 0.0
+        for u in range(first + 1, n):
+            comm = problem.needs[Op.F][u][0][2]  # T_comm of the hop into u (0 within a rank)
+            round_trip += t_f[u] + t_b[u] + 2 * comm if u > last else t_f[u] + comm
+        forward = sum(t_f[u] for u in own)
+        out.append(1 + round_trip / forward if forward > 0 else float(m))
     return out
 
 
 def cap_shapes(problem: Problem) -> dict[str, tuple[int, ...]]:
-    """Candidate caps by name, each within memory and m and never increasing along the pipeline."""
+    """Candidate caps (microbatches a rank holds without their B) by name, each within memory and m and never
+    increasing along the pipeline. With several chunks "memory" is m: the memory rule of the greedy, which
+    also admits a microbatch whose later chunks must wait for room, is the limit."""
     p = problem.stages
-    limit = [problem.memory_cap(s) for s in range(p)]
+    limit = [problem.memory_cap(r) for r in range(p)]
     ideal = ideal_warmups(problem)
     shapes = {"ideal-ceil": [math.ceil(k - 1e-9) for k in ideal], "ideal-floor": [math.floor(k) for k in ideal]}
     shapes["ideal-ceil-1"] = [k - 1 for k in shapes["ideal-ceil"]]
@@ -162,6 +278,8 @@ def cap_shapes(problem: Problem) -> dict[str, tuple[int, ...]]:
         shapes[f"ideal-round{threshold:g}"] = [math.floor(k) + (k - math.floor(k) >= threshold) for k in ideal]
     for less in (0, 1):
         shapes[f"1f1b-{less}"] = [limit[0] - less - s for s in range(p)]  # one F fewer per stage
+    if problem.chunks > 1:
+        limit = [problem.microbatches] * p
     shapes["memory"] = limit
     return {name: _monotone(shape, limit, problem.microbatches) for name, shape in shapes.items()}
 
@@ -190,31 +308,65 @@ RULES = tuple(Rule(False, fill, bubble, patience, warmup)
               for fill in (1.0, 0.5, 0.0) for bubble in (True, False)
               for patience in (0.0, 0.25) for warmup in (0.0, 0.1, 0.25, 0.5)) + tuple(
     Rule(True, fill, bubble) for fill in (1.0, 0.5, 0.0) for bubble in (True, False))
+# With several chunks per rank: chosen greedily (each cuts the summed regret most) from a sweep of 6 rules x 4
+# chunk orders x 2 forward waits x 4 cap shapes on the paper's 12 rows at v = 2 and 4, at interleaved 1F1B's
+# peak and twice it; only the memory rule ever won, so every favourite leaves the caps to it.
+CHUNKED_FAVOURITES = tuple(("memory", rule) for rule in (
+    Rule(warmup_patience=0.5, fill=0.5, f_order="deep", b_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.25, f_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.5, fill=0.5, f_order="oldest", f_wait=0.5),
+    Rule(warmup_patience=0.5, b_order="oldest"),
+    Rule(f_order="oldest"),
+    Rule(warmup_patience=0.5, fill=0.5, f_order="oldest"),
+    Rule(f_order="shallow"),
+    Rule(warmup_patience=0.5),
+))
+CHUNKED_RUNS = 24  # most greedy runs with several chunks: favourites, then other rules and orders
+
+
+def favourites(problem: Problem) -> tuple[tuple[str, Rule], ...]:
+    return FAVOURITES if problem.chunks == 1 else CHUNKED_FAVOURITES
+
+
+def rules(problem: Problem) -> tuple[Rule, ...]:
+    if problem.chunks == 1:
+        return RULES
+    return tuple(replace(rule, f_order=f, b_order=b, f_wait=wait) for rule in RULES for wait in (0.5, 0.0)
+                 for f in ("oldest", "deep", "shallow") for b in ("deep", "oldest"))
 
 
 def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
-    """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes."""
+    """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes (with
+    several chunks: half of them, at most CHUNKED_RUNS runs, and no cap tuning, the memory rule being what
+    limits). The first variant always runs."""
     shapes = cap_shapes(problem)
-    cost = 3 * problem.stages * problem.microbatches
+    cost = 3 * problem.num_virtual_stages * problem.microbatches
+    if problem.chunks > 1:  # longer runs, more to validate: half the passes, and the runs capped
+        budget = min(budget // 2, CHUNKED_RUNS * cost)
     enough = span_lower_bound(problem) * (1 + TOLERANCE)
     tried: dict[tuple[tuple[int, ...], Rule], Plan] = {}
 
-    def run(caps: tuple[int, ...], rule: Rule) -> Plan:
+    def run(caps: tuple[int, ...], rule: Rule) -> Plan | None:
         nonlocal budget
         if (caps, rule) not in tried:
             budget -= cost
             tried[(caps, rule)] = greedy(problem, caps, rule)
         return tried[(caps, rule)]
 
+    def better(plan: Plan | None, than: Plan | None) -> bool:
+        return plan is not None and (than is None or plan.span < than.span * (1 - 1e-12))
+
     best = None
-    for name, rule in FAVOURITES:
+    for name, rule in favourites(problem):
         plan = run(shapes[name], rule)
-        best = plan if best is None or plan.span < best.span else best
-        if best.span <= enough or budget < cost:
+        best = plan if better(plan, best) else best
+        if best is not None and (best.span <= enough or budget < cost):
             return best
+    if best is None:  # every favourite deadlocked: the eager rule under memory caps never does
+        best = run(shapes["memory"], Rule())
     caps, rule = next(key for key, plan in tried.items() if plan is best)
-    most = [min(problem.memory_cap(s), problem.microbatches) for s in range(problem.stages)]
-    improved = True
+    most = [min(problem.memory_cap(r), problem.microbatches) for r in range(problem.stages)]
+    improved = problem.chunks == 1
     while improved and budget >= cost:
         improved = False
         for s in range(problem.stages):
@@ -224,15 +376,33 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
                 if (rule.strict and trial != _monotone(trial, trial, problem.microbatches)) or budget < cost:
                     continue
                 plan = run(trial, rule)
-                if plan.span < best.span * (1 - 1e-12):
+                if better(plan, best):
                     best, caps, improved = plan, trial, True
-    for shape in shapes.values():
-        for rule in RULES:
+    for shape in (shapes.values() if problem.chunks == 1 else [shapes["memory"]]):
+        for rule in rules(problem):
             if best.span <= enough or budget < cost:
                 return best
             plan = run(shape, rule)
-            best = plan if plan.span < best.span * (1 - 1e-12) else best
+            best = plan if better(plan, best) else best
     return best
+
+
+def split_interleaved(problem: Problem) -> Plan | None:
+    """Megatron's interleaved 1F1B with each fused backward run as B then W (same time and memory), if megatron
+    can order these microbatches and it fits the limits: a plan at least as good as the schedule zb-auto
+    replaces (with few microbatches per rank the greedy can do worse)."""
+    try:
+        baseline = interleaved_one_f_one_b(problem.stages, problem.microbatches, problem.chunks)
+    except ScheduleError:
+        return None
+    orders = [[step for x in passes for step in
+               (((Op.B, x.mb, x.chunk), (Op.W, x.mb, x.chunk)) if x.op is Op.BW else ((x.op, x.mb, x.chunk),))]
+              for passes in baseline.ranks]
+    schedule = to_schedule(problem, Plan(orders, 0.0, ""), {})
+    if any(not problem.fits(r, max(held, default=0.0)) for r, held in enumerate(memory_profile(schedule, problem.costs))):
+        return None
+    timeline = simulate(schedule, problem.costs)
+    return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), "interleaved 1F1B, backward split")
 
 
 def default_memory_limit(stages: int) -> float:
@@ -240,39 +410,58 @@ def default_memory_limit(stages: int) -> float:
     return 2 * stages
 
 
+def interleaved_memory_limit(stages: int, chunks: int, microbatches: int | None = None) -> float:
+    """Megatron's interleaved 1F1B's peak in in-flight microbatches (M_B of a rank): rank 0 warms up with
+    2(p-1) + (v-1)p forwards of 1/v of a microbatch each and runs one more before its first backward. The
+    default for several chunks: the same memory as the schedule it replaces, less bubble."""
+    if chunks == 1:
+        return default_memory_limit(stages)
+    forwards = 2 * (stages - 1) + (chunks - 1) * stages + 1
+    if microbatches is not None:
+        forwards = min(forwards, microbatches * chunks)
+    return forwards / chunks
+
+
 def zb_auto(
     stages: int,
     microbatches: int,
     costs: Costs,
     memory_limit: MemoryLimit | float | None = None,
-    memory_limit_absolute: float | None = None,
     ilp_time_limit: float = 10.0,
     progress: Callable[[str], None] | None = None,
+    chunks: int = 1,
 ) -> Schedule:
-    """ZB-1p (memory_limit=p), ZB-2p (memory_limit=2p, the default) or any other limit.
+    """ZB-1p (memory_limit=p), ZB-2p (memory_limit=2p, the default with one chunk) or any other limit; with
+    several chunks per rank, megatron's interleaved placement (virtual stage k*p + r) at interleaved 1F1B's
+    peak by default.
 
-    memory_limit is a MemoryLimit or a count of in-flight microbatches (multiples of each rank's M_B);
-    memory_limit_absolute, the older spelling of an absolute limit, is in the costs' memory unit.
-    ilp_time_limit (seconds, 0 skips) bounds the ILP refinement, whose result replaces the heuristic's
-    only when it simulates to a shorter longest-stage span. progress(line) hears from the ILP about once
-    a second when it runs longer than that.
+    memory_limit is a MemoryLimit (in-flight microbatches, or absolute in the costs' memory unit) or a count
+    of in-flight microbatches (multiples of each rank's M_B). ilp_time_limit (seconds, 0 skips) bounds the
+    ILP refinement, whose result replaces the heuristic's only when it simulates to a shorter longest-rank
+    span. progress(line) hears from the ILP about once a second when it runs longer than that.
     """
-    if stages < 1 or microbatches < 1:
-        raise ScheduleError(f"the automatic planner needs a stage and a microbatch, got {stages} and {microbatches}")
-    if costs.num_virtual_stages != stages:
-        raise ScheduleError(f"costs describe {costs.num_virtual_stages} stages but the pipeline has {stages}")
-    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        raise ScheduleError(f"the automatic planner needs a stage, a chunk and a microbatch, got {stages}, "
+                            f"{chunks} and {microbatches}")
+    if costs.num_virtual_stages != stages * chunks:
+        raise ScheduleError(f"costs describe {costs.num_virtual_stages} virtual stages but the pipeline has "
+                            f"{stages * chunks} ({stages} ranks x {chunks} chunks)")
+    limit = MemoryLimit.of(memory_limit)
     if limit is None:
-        limit = MemoryLimit(default_memory_limit(stages))
-    limits = limit.per_rank(stages, 1, "single", costs)
-    problem = Problem.from_costs(stages, microbatches, costs, limits)
-    for s in range(stages):
-        need = max(problem.m_f[s], problem.m_w[s])
-        if not problem.fits(s, need):
+        limit = MemoryLimit(interleaved_memory_limit(stages, chunks, microbatches))
+    layout = "single" if chunks == 1 else "interleaved"
+    limits = limit.per_rank(stages, chunks, layout, costs)
+    problem = Problem.from_costs(stages, microbatches, costs, limits, chunks, layout)
+    for r in range(stages):
+        need = problem.microbatch_memory(r) + problem.backward_extra(r)
+        if not problem.fits(r, need):
             raise ScheduleError(
-                f"memory limit {limits[s]:.4g} on rank {s} is below one microbatch's activations ({need:.4g})"
+                f"memory limit {limits[r]:.4g} on rank {r} is below one microbatch's activations ({need:.4g})"
             )
     plan = best_heuristic(problem)
+    baseline = split_interleaved(problem) if chunks > 1 else None
+    if baseline is not None and baseline.span < plan.span * (1 - 1e-12):
+        plan = baseline
     notes = {**limit.to_info(), "heuristic": plan.label, "heuristic_span": plan.span}
     if ilp_time_limit and ilp_time_limit > 0:
         plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)  # imports highspy only now

@@ -19,18 +19,22 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from .costs import DEFAULT_MW_RATIO, Costs
+from .costs import DEFAULT_MW_RATIO, TIME_UNITS, Costs
 from .draw import (check_picture_path, comparison_table, draw, draw_budget_curve, draw_stacked, render_text,
                    simulation_report)
-from .planners import SCHEDULE_NAMES, PlanRequest, layout_of, natural_chunks, plan
+from .planners import (SCHEDULE_NAMES, SCHEDULES, PlanRequest, accepts_chunks, default_memory_limit, layout_of,
+                       multi_chunk_schedules, natural_chunks, plan_with_timeline, schedule_kind)
 from .post_validation import with_post_validation
 from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
-from .simulate import Timeline, simulate
+from .simulate import Timeline
+from .trace import chrome_trace, timeline_rows, write_trace
 from .validate import validate
 from .vbudget import MEM_SETUPS, budget_curve, mem_setup_limit
 
 PROG = "zb-schedule"
+DEFAULT_WIDTH = 100  # characters of a text picture
+DEFAULT_ILP_TIME_LIMIT = 10.0  # seconds
 # The paper's evaluated models (seq 1024); the vocabulary is GPT-2's padded to a multiple of 128 (our choice).
 MODEL_PRESETS = {
     "1.5b": dict(layers=22, hidden=2304, heads=24, micro_batch=6, stages=8),
@@ -127,10 +131,11 @@ def _per_virtual_stage(value, stages: int, chunks: int, layout: str, what: str):
 
 
 def chunks_for(name: str, args) -> int:
-    """--chunks only means something to multi-chunk schedules; the others always run one chunk per rank."""
-    if natural_chunks(name) == 1:
-        return 1
-    return args.chunks if args.chunks is not None else natural_chunks(name)
+    """--chunks where the schedule plans that many chunks per rank, else its natural count (compare applies
+    --chunks to the schedules that take it and plans the others as they are)."""
+    if args.chunks is not None and accepts_chunks(name, args.chunks):
+        return args.chunks
+    return natural_chunks(name)
 
 
 def _model_shape(args) -> dict | None:
@@ -164,6 +169,9 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
     if shape is not None:
         if any(v is not None for v in times.values()):
             raise UsageError("give either pass times (--t-f, --t-b, --t-w) or a model shape, not both")
+        if args.mw_ratio is not None:
+            raise UsageError("--mw-ratio sets M_W / M_B for pass times; a model shape has its own (32h / (34h + 5as)): "
+                             "drop --mw-ratio")
         costs = Costs.from_model(**shape, num_virtual_stages=p * chunks, time_unit="ms")
         return costs if t_comm is None else replace(costs, t_comm=t_comm)
     per_stage = {k: _per_virtual_stage(v, p, chunks, layout, "--" + k.replace("_", "-")) for k, v in times.items()}
@@ -173,7 +181,7 @@ def build_costs(args, stages: int, chunks: int, layout: str) -> Costs:
         **{k: (1.0 / chunks if v is None else v) for k, v in per_stage.items()},
         t_comm=t_comm or 0.0,
         m_f=m_f,
-        m_w=[args.mw_ratio * x for x in m_f],
+        m_w=[(DEFAULT_MW_RATIO if args.mw_ratio is None else args.mw_ratio) * x for x in m_f],
         chunks=chunks,
         time_unit="ms",
     )
@@ -197,41 +205,49 @@ def _memory_limit(args, costs: Costs, layout: str, stages: int) -> MemoryLimit |
     return MemoryLimit.of(microbatches, absolute)
 
 
-def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Costs, float]:
-    """Plan one named schedule on the command line's costs; returns it with its costs and planning seconds."""
+def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Costs, Timeline, float]:
+    """Plan one named schedule on the command line's costs; returns it with its costs, its simulated timeline
+    and the planning seconds."""
     if name not in SCHEDULE_NAMES:
         raise UsageError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     if args.stages is None or args.microbatches is None:
         raise UsageError("give --stages and --microbatches (or --input FILE)")
     if args.stages < 2:
         raise UsageError(f"a pipeline needs at least 2 stages, got --stages {args.stages}")
-    if args.chunks is not None and natural_chunks(name) == 1 and args.chunks != 1 and args.command != "compare":
-        raise UsageError(f"{name} runs one chunk per rank; --chunks applies to interleaved-1f1b and the V schedules")
-    if args.ilp_time_limit < 0:
-        raise UsageError(f"--ilp-time-limit must not be negative, got {args.ilp_time_limit}")
-    costs = build_costs(args, args.stages, chunks_for(name, args), layout_of(name))
-    memory_limit = _memory_limit(args, costs, layout_of(name), args.stages)
-    ilp = f"; its ILP refinement may take up to {args.ilp_time_limit:g} s (--ilp-time-limit)" \
-        if name == "zb-auto" and args.ilp_time_limit > 0 else ""
+    if args.chunks is not None and not accepts_chunks(name, args.chunks) and args.command != "compare":
+        raise UsageError(f"{name} plans {schedule_kind(name).chunks_text()} chunk(s) per rank, not --chunks "
+                         f"{args.chunks}; --chunks applies to {', '.join(multi_chunk_schedules())}")
+    ilp_time_limit = DEFAULT_ILP_TIME_LIMIT if args.ilp_time_limit is None else args.ilp_time_limit
+    if ilp_time_limit < 0:
+        raise UsageError(f"--ilp-time-limit must not be negative, got {ilp_time_limit}")
+    if args.ilp_time_limit is not None and not schedule_kind(name).ilp and args.command != "compare":
+        raise UsageError(f"--ilp-time-limit applies to {', '.join(n for n, k in SCHEDULES.items() if k.ilp)}; "
+                         f"{name} has no ILP refinement: drop --ilp-time-limit")
+    chunks = chunks_for(name, args)
+    layout = layout_of(name, chunks)
+    costs = build_costs(args, args.stages, chunks, layout)
+    memory_limit = _memory_limit(args, costs, layout, args.stages)
+    ilp = f"; its ILP refinement may take up to {ilp_time_limit:g} s (--ilp-time-limit)" \
+        if schedule_kind(name).ilp and ilp_time_limit > 0 else ""
     progress = _Progress(name, progress_stream, f"p={args.stages}, m={args.microbatches}{ilp}")
     request = PlanRequest(
         stages=args.stages,
         microbatches=args.microbatches,
         costs=costs,
-        chunks=None if natural_chunks(name) == 1 else chunks_for(name, args),
+        chunks=chunks,
         memory_limit=memory_limit,
-        ilp_time_limit=args.ilp_time_limit,
+        ilp_time_limit=ilp_time_limit,
         progress=progress,
         post_validation=getattr(args, "post_validation", False),
     )
     started = time.perf_counter()
     try:
-        schedule = plan(name, request)
+        schedule, timeline = plan_with_timeline(name, request)
     except ImportError as e:  # planners are imported on use; a missing one should not break the others
         raise PlannerUnavailable(f"the {name} planner is not available here ({e})") from None
     finally:
         progress.finish()
-    return schedule, costs, time.perf_counter() - started
+    return schedule, costs, timeline, time.perf_counter() - started
 
 
 def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
@@ -254,19 +270,25 @@ def load_schedule(args) -> tuple[Schedule, Costs, Timeline]:
     return schedule, costs, validate(schedule, costs, _memory_limit(args, costs, schedule.layout, schedule.stages))
 
 
-def _schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs, Timeline]:
+def schedule_and_timeline(args, progress_stream=None) -> tuple[Schedule, Costs, Timeline]:
+    """The schedule a command reads (--input FILE) or plans (--schedule NAME), its costs and its validated
+    timeline."""
     if args.input is not None:
         if args.schedule is not None:
             raise UsageError("give either --schedule or --input, not both")
+        for option, value in (("--chunks", args.chunks), ("--ilp-time-limit", args.ilp_time_limit)):
+            if value is not None:
+                raise UsageError(f"{option} applies to planning (--schedule), not to a schedule read with --input; "
+                                 f"drop {option}")
         return load_schedule(args)
     if args.schedule is None:
         raise UsageError("give --schedule NAME or --input FILE")
-    schedule, costs, _ = plan_schedule(args, args.schedule, progress_stream)
-    return schedule, costs, simulate(schedule, costs)  # plan() has validated it already
+    schedule, costs, timeline, _ = plan_schedule(args, args.schedule, progress_stream)
+    return schedule, costs, timeline
 
 
 def cmd_export(args) -> None:
-    schedule, costs, timeline = _schedule_and_timeline(args)
+    schedule, costs, timeline = schedule_and_timeline(args)
     schedule.info["costs"] = costs.to_dict()
     schedule.info.setdefault("predicted", {}).update(
         bubble_rate=timeline.bubble_rate,
@@ -282,18 +304,26 @@ def cmd_export(args) -> None:
 
 
 def cmd_simulate(args) -> None:
-    print(simulation_report(_schedule_and_timeline(args)[2]))
+    timeline = schedule_and_timeline(args)[2]
+    print(simulation_report(timeline))
+    if args.trace:
+        unit_ms = TIME_UNITS[timeline.costs.time_unit] / TIME_UNITS["ms"]
+        write_trace(chrome_trace(timeline_rows(timeline, unit_ms), source="simulated",
+                                 ranks=timeline.schedule.stages), args.trace)
+        print(f"{PROG}: wrote {args.trace}", file=sys.stderr)  # stdout stays the report
 
 
 def cmd_draw(args) -> None:
     if args.output:
         check_picture_path(args.output)
-    timeline = _schedule_and_timeline(args)[2]
+        if args.width is not None:
+            raise UsageError("--width sets the text picture's width (draw without -o); drop --width or -o")
+    timeline = schedule_and_timeline(args)[2]
     if args.output:
         draw(timeline, args.output)
         print(f"wrote {args.output}")
     else:
-        print(render_text(timeline, args.width))
+        print(render_text(timeline, DEFAULT_WIDTH if args.width is None else args.width))
 
 
 def cmd_compare(args) -> int:
@@ -307,11 +337,11 @@ def cmd_compare(args) -> int:
     rows, timelines, skipped = [], [], []
     for name in names:
         try:
-            schedule, costs, seconds = plan_schedule(args, name)
+            schedule, costs, timeline, seconds = plan_schedule(args, name)
         except ScheduleError as e:  # one schedule refusing the costs or the limit should not hide the others
             skipped.append((name, e))
             continue
-        timelines.append(simulate(schedule, costs))
+        timelines.append(timeline)
         rows.append((name, timelines[-1], seconds))
     if not rows:
         if len(skipped) == 1:
@@ -363,23 +393,37 @@ def _times(per_chunk) -> str:
     return f"{values[0]:g}" if len(values) == 1 else f"{values[0]:g} to {values[-1]:g}"
 
 
+def _chunk_help() -> str:
+    return "model chunks per rank for " + ", ".join(
+        f"{name} ({SCHEDULES[name].chunks_text()}, default {natural_chunks(name)})" for name in multi_chunk_schedules())
+
+
+def _memory_help() -> str:
+    defaults = "; ".join(f"{name}: {kind.default_memory_text}" for name, kind in SCHEDULES.items()
+                         if kind.default_memory_limit is not None)
+    return ("per-rank activation limit: in-flight microbatches (p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a "
+            f"model shape (default: the schedule's own; {defaults}; the others' memory follows from their order)")
+
+
+POST_VALIDATION_HELP = ("insert the post-validation passes on every rank: V (the previous step's validation) before "
+                        "its first backward, S (the step's statistics) after its last pass; any schedule and layout")
+
+
 def build_parser(extensions=()) -> argparse.ArgumentParser:
     """The parser of every subcommand; each extension is called with (subparsers, common options parser,
     the options of a command that reads one schedule) and adds commands of a layer above this one."""
     common = _Parser(add_help=False)
     common.add_argument("-p", "--stages", type=int, help="pipeline ranks p (default: the --model preset's)")
     common.add_argument("-m", "--microbatches", type=int, help="microbatches m per iteration")
-    common.add_argument("--chunks", type=int, help="model chunks per rank for interleaved-1f1b (V schedules: 2)")
-    common.add_argument("--memory-limit", help="per-rank activation limit: in-flight microbatches "
-                        "(p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a model shape (default: the "
-                        "schedule's own: 2p for zb-auto, p for zb-v, (p+2)/2 for v-half, (p+4)/3 for v-min)")
+    common.add_argument("--chunks", type=int, help=_chunk_help())
+    common.add_argument("--memory-limit", help=_memory_help())
     for name, what in (("t-f", "T_F"), ("t-b", "T_B"), ("t-w", "T_W")):
         common.add_argument(f"--{name}", help=f"{what} in milliseconds of one rank (split over its chunks), or "
                             "comma-separated per rank or per virtual stage (default 1 ms)")
     common.add_argument("--t-comm", help="T_comm, stage-to-stage send time in milliseconds (default 0 ms; with "
                         "a model shape: activation bytes over a 25 GB/s link)")
-    common.add_argument("--mw-ratio", type=float, default=DEFAULT_MW_RATIO,
-                        help=f"M_W / M_B with pass times (default {DEFAULT_MW_RATIO})")
+    common.add_argument("--mw-ratio", type=float, help=f"M_W / M_B with pass times (default {DEFAULT_MW_RATIO}; a "
+                        "model shape has its own)")
     common.add_argument("--model", choices=sorted(MODEL_PRESETS), help="costs in milliseconds and bytes from one "
                         "of the paper's model shapes (A100 at 125 TFLOP/s)")
     for name in ("layers", "hidden", "heads", "seq-length", "micro-batch-size", "vocab-size"):
@@ -388,24 +432,30 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
     common.add_argument("--mem-setup", choices=tuple(MEM_SETUPS), help="V schedules' budget in the reference "
                         "implementation's short form: min = floor((p+4)/3) M_B, half = floor((p+2)/2), zb = p "
                         "(instead of --memory-limit)")
-    common.add_argument("--ilp-time-limit", type=float, default=10.0,
-                        help="seconds for zb-auto's ILP refinement (default 10 s; 0: heuristic only)")
+    ilp = ", ".join(name for name, kind in SCHEDULES.items() if kind.ilp)
+    common.add_argument("--ilp-time-limit", type=float, help=f"seconds for the ILP refinement of {ilp} (default "
+                        f"{DEFAULT_ILP_TIME_LIMIT:g} s; 0: heuristic only)")
     common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")
 
     parser = _Parser(prog=PROG, description="Plan, simulate, draw, export and compare zero-bubble pipeline schedules.")
     commands = parser.add_subparsers(dest="command", required=True)
-    helps = {"export": "print the schedule JSON", "simulate": "print bubble rates, makespan and peak memory",
-             "draw": "draw the timeline (PNG/SVG, or text without -o)"}
-    for cmd, text in helps.items():
-        sub = commands.add_parser(cmd, parents=[common], help=text, description=text)
-        sub.add_argument("--schedule", choices=SCHEDULE_NAMES, help="which planner")
-        sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
-        sub.add_argument("-o", "--output", help="output file" + (" (.png or .svg)" if cmd == "draw" else ""))
-        sub.add_argument("--width", type=int, default=100, help="text picture width in characters (draw "
-                         "without -o; default 100)")
-        sub.add_argument("--post-validation", action="store_true",
-                         help="insert the post-validation pass V on every rank (single-layout schedules)")
-        sub.set_defaults(run={"export": cmd_export, "simulate": cmd_simulate, "draw": cmd_draw}[cmd])
+    sub = commands.add_parser("export", parents=[common], help="print the schedule JSON",
+                              description="print the schedule JSON (or write it with -o)")
+    _one_schedule_options(sub)
+    sub.add_argument("-o", "--output", help="write the JSON to this file instead of stdout")
+    sub.set_defaults(run=cmd_export)
+    sub = commands.add_parser("simulate", parents=[common], help="print bubble rates, makespan and peak memory",
+                              description="print bubble rates, makespan and peak memory")
+    _one_schedule_options(sub)
+    sub.add_argument("--trace", metavar="FILE", help="also write the simulated timeline as Chrome trace JSON (open "
+                     "it in Perfetto or chrome://tracing): one thread per rank, times in ms")
+    sub.set_defaults(run=cmd_simulate)
+    sub = commands.add_parser("draw", parents=[common], help="draw the timeline (PNG/SVG, or text without -o)",
+                              description="draw the timeline (PNG/SVG, or text without -o)")
+    _one_schedule_options(sub)
+    sub.add_argument("-o", "--output", help="picture file (.png or .svg); without it a text picture on stdout")
+    sub.add_argument("--width", type=int, help=f"text picture width in characters (without -o; default {DEFAULT_WIDTH})")
+    sub.set_defaults(run=cmd_draw)
     sub = commands.add_parser("compare", parents=[common], help="one table of several schedules on the same costs")
     sub.add_argument("--schedules", "--schedule", action="append", help="comma-separated names, or repeat the option")
     sub.add_argument("-o", "--output", help="a picture (.png/.svg) with all schedules stacked")
@@ -421,8 +471,7 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
 def _one_schedule_options(sub) -> None:
     sub.add_argument("--schedule", choices=SCHEDULE_NAMES, help="which planner")
     sub.add_argument("--input", help="an existing schedule JSON (- for stdin) instead of planning one")
-    sub.add_argument("--post-validation", action="store_true",
-                     help="insert the post-validation pass V on every rank (single-layout schedules)")
+    sub.add_argument("--post-validation", action="store_true", help=POST_VALIDATION_HELP)
 
 
 def main(argv: list[str] | None = None, extensions=()) -> int:

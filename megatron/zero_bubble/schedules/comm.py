@@ -13,21 +13,17 @@ dependency sends. After a replay point (V) every receive the rank needs is poste
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Union
+from collections import deque
+from operator import itemgetter
+from typing import NamedTuple, Union
 
 from .costs import Costs
-from .ops import KIND_NOUNS, RECEIVES, Kind, carries_microbatch, facts
+from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import Timeline, simulate
 
 
-@dataclass(frozen=True)
-class Message:
-    """An activation (kind ACT) or an input gradient (GRAD) between stages, or a summary of the optimizer
-    step (VALID, STATS; microbatch 0) from one rank to the next of its chain. The kind may be given as its
-    string ("act")."""
-
+class _MessageFields(NamedTuple):
     kind: Kind
     mb: int
     src_stage: int
@@ -35,9 +31,16 @@ class Message:
     src: int  # rank
     dst: int
 
-    def __post_init__(self):
-        if type(self.kind) is not Kind:
-            object.__setattr__(self, "kind", Kind(self.kind))
+
+class Message(_MessageFields):
+    """An activation (kind ACT) or an input gradient (GRAD) between stages, or a summary of the optimizer
+    step (VALID, STATS; microbatch 0) from one rank to the next of its chain. The kind may be given as its
+    string ("act"). An immutable tuple: lowering a large plan makes and looks up hundreds of thousands."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind, mb: int, src_stage: int, dst_stage: int, src: int, dst: int):
+        return tuple.__new__(cls, (kind if type(kind) is Kind else Kind(kind), mb, src_stage, dst_stage, src, dst))
 
     def describe(self) -> str:
         noun = KIND_NOUNS[self.kind]
@@ -46,48 +49,92 @@ class Message:
         return f"the {noun} of microbatch {self.mb} from stage {self.src_stage} to stage {self.dst_stage}"
 
 
-@dataclass(frozen=True)
-class Send:
-    msg: Message
+class _Post:
+    """Posting one side of a message (a plain slotted class: a program of a large plan holds many)."""
+
+    __slots__ = ("msg",)
+
+    def __init__(self, msg: Message):
+        self.msg = msg
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and other.msg == self.msg
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.msg))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(msg={self.msg!r})"
 
 
-@dataclass(frozen=True)
-class Recv:
-    msg: Message
+class Send(_Post):
+    __slots__ = ()
+
+
+class Recv(_Post):
+    __slots__ = ()
 
 
 Action = Union[Pass, Send, Recv]
 
 
-def _message(schedule: Schedule, kind: Kind, mb: int, src_stage: int | None, dst_stage: int | None) -> Message | None:
+# A message without its microbatch: kind, stages (from, to), ranks (from, to), and the kind's number (for keys
+# of plain ints, which hash fast).
+Link = tuple[Kind, int, int, int, int, int]
+_KIND_NUMBER = {kind: number for number, kind in enumerate(Kind)}
+
+
+def _link(schedule: Schedule, kind: Kind, src_stage: int | None, dst_stage: int | None) -> Link | None:
     """The message between two virtual stages, if both exist and sit on different ranks (a V's turn does not)."""
     if src_stage is None or dst_stage is None:
         return None
     src, dst = schedule.owner(src_stage)[0], schedule.owner(dst_stage)[0]
-    return None if src == dst else Message(kind, mb, src_stage, dst_stage, src, dst)
+    return None if src == dst else (kind, src_stage, dst_stage, src, dst, _KIND_NUMBER[kind])
 
 
-def _linked(schedule: Schedule, p: Pass, vstage: int, offset: int) -> int | None:
-    return facts(p.op).linked_stage(vstage, offset, schedule.num_virtual_stages, schedule.stages)
+def _links(schedule: Schedule, rank: int, chunk: int, op) -> tuple[Link | None, Link | None]:
+    """What a pass of `op` on (rank, chunk) sends and what it receives, from ops.TABLE."""
+    f, vs = facts(op), schedule.virtual_stage(rank, chunk)
+    nv, p = schedule.num_virtual_stages, schedule.stages
+    send = None if f.sends is None else _link(schedule, f.sends[0], vs, f.linked_stage(vs, f.sends[1], nv, p))
+    receives = RECEIVES[op]
+    recv = None if receives is None else _link(schedule, receives[0], f.linked_stage(vs, receives[1], nv, p), vs)
+    return send, recv
+
+
+def _link_table(schedule: Schedule) -> list[dict]:
+    """_links for every (chunk, op) of every rank, worked out once per schedule."""
+    return [{(chunk, op): _links(schedule, rank, chunk, op) for chunk in range(schedule.chunks) for op in TABLE}
+            for rank in range(schedule.stages)]
+
+
+def _message(link: Link | None, mb: int) -> Message | None:
+    return None if link is None else Message(link[0], mb, *link[1:5])
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     """The message a pass sends to another rank, if any."""
-    sends = facts(p.op).sends
-    if sends is None:
-        return None
-    vs = schedule.virtual_stage(rank, p.chunk)
-    return _message(schedule, sends[0], p.mb, vs, _linked(schedule, p, vs, sends[1]))
+    return _message(_links(schedule, rank, p.chunk, p.op)[0], p.mb)
 
 
 def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     """The message a pass must receive from another rank before it can run, if any: the output of its
     dependency on another virtual stage."""
-    receives = RECEIVES[p.op]
-    if receives is None:
-        return None
-    vs = schedule.virtual_stage(rank, p.chunk)
-    return _message(schedule, receives[0], p.mb, _linked(schedule, p, vs, receives[1]), vs)
+    return _message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
+
+
+_ORDER = itemgetter(0, 1, 2)  # a pair's messages: by (production order, producing rank, its position)
+
+
+def _replay_points(schedule: Schedule) -> dict[int, int]:
+    """Each rank's position of its replay point (V), for the ranks that have one."""
+    points = {}
+    for op in (op for op, f in TABLE.items() if f.replay_point):
+        at = Pass(op, 0, per_rank_chunk(schedule.chunks))
+        for rank, passes in enumerate(schedule.ranks):
+            if at in passes:  # a tuple search in C: plans without post-validation have hundreds of thousands
+                points[rank] = passes.index(at)
+    return points
 
 
 def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
@@ -95,57 +142,86 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
     if timeline is None:
         costs = costs or Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
         timeline = simulate(schedule, costs)
-    replay_index = {rank: pos for rank, pos, p in schedule.passes() if facts(p.op).replay_point}
+    table = _link_table(schedule)
+    new = tuple.__new__  # a Message from fields that are right already (the link's kind is a Kind)
+    replay_index = _replay_points(schedule)
     replay_time = {rank: timeline.ranks[rank][pos].end for rank, pos in replay_index.items()}
+    # Where each message is consumed, by (kind number, microbatch, source stage, destination stage): plain int
+    # tuples, quick to hash for hundreds of thousands of messages.
+    consume_index: dict[tuple, int] = {}
+    for rank, passes in enumerate(schedule.ranks):
+        links = table[rank]
+        for pos, p in enumerate(passes):
+            link = links[p.chunk, p.op][1]
+            if link is not None:
+                consume_index[link[5], p.mb, link[1], link[2]] = pos
     # Per rank pair, every message with its place in the pair's order and its slots on both ends. The order
     # is by production time, except that a message its receiver needs only after its replay point (V)
     # counts from just after that V: the result V receives, needed before, then goes first. (In a V layout
     # the result walks the way warm-up activations go, sent long before the receiver needs them; their
     # sends then wait until after the sender's V: after a rollback they are never sent, so never drained.)
-    pairs: dict[tuple[int, int], list[tuple[tuple[float, int], int, int, Message]]] = {}
-    produce_index: dict[Message, int] = {}
-    consume_index: dict[Message, int] = {}
+    pairs: dict[tuple[int, int], list] = {}
     for rank, passes in enumerate(timeline.ranks):
+        links = table[rank]
         for pos, t in enumerate(passes):
-            need = consumed(schedule, rank, t.op)
-            if need is not None:
-                consume_index[need] = pos
-    for rank, passes in enumerate(timeline.ranks):
-        for pos, t in enumerate(passes):
-            out = produced(schedule, rank, t.op)
-            if out is not None:
-                produce_index[out] = pos
+            op = t.op
+            link = links[op.chunk, op.op][0]
+            if link is not None:
+                kind, src_stage, dst_stage, src, dst, number = link
+                mb = op.mb
+                consumed_at = consume_index[number, mb, src_stage, dst_stage]
                 order = (t.end, 0)
-                if out.dst in replay_index and consume_index[out] > replay_index[out.dst]:
-                    order = max(order, (replay_time[out.dst], 1))
-                pairs.setdefault((min(out.src, out.dst), max(out.src, out.dst)), []).append((order, rank, pos, out))
+                if replay_index and dst in replay_index and consumed_at > replay_index[dst]:
+                    order = max(order, (replay_time[dst], 1))
+                pair = (src, dst) if src < dst else (dst, src)
+                msg = new(Message, (kind, mb, src_stage, dst_stage, src, dst))
+                entry = (order, rank, pos, msg, consumed_at)
+                queue = pairs.get(pair)
+                if queue is None:
+                    pairs[pair] = [entry]
+                else:
+                    queue.append(entry)
     # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
     slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
     for pair, messages in sorted(pairs.items()):
-        messages.sort(key=lambda item: item[:3])
+        messages.sort(key=_ORDER)
         last_slot = {pair[0]: 0, pair[1]: 0}
-        for _, _, _, msg in messages:
-            send_slot = max(last_slot[msg.src], produce_index[msg] + 1)
-            recv_slot = last_slot[msg.dst]
-            replay = replay_index.get(msg.dst)
-            if replay is not None and consume_index[msg] > replay:
-                # A receive posted before V could be matched by a replayed message after a rollback.
-                recv_slot = max(recv_slot, replay + 1)
-            if recv_slot > consume_index[msg]:
+        for _, _, produced_at, msg, consumed_at in messages:
+            src, dst = msg[4], msg[5]
+            send_slot = last_slot[src]
+            if produced_at >= send_slot:
+                send_slot = produced_at + 1
+            recv_slot = last_slot[dst]
+            if replay_index:
+                replay = replay_index.get(dst)
+                if replay is not None and consumed_at > replay:
+                    # A receive posted before V could be matched by a replayed message after a rollback.
+                    recv_slot = max(recv_slot, replay + 1)
+            if recv_slot > consumed_at:
                 raise ScheduleError(
-                    f"rank {msg.dst} cannot post the receive of {msg.describe()} before it needs it: "
-                    f"the in-order matching with rank {msg.src} puts it too late"
+                    f"rank {dst} cannot post the receive of {msg.describe()} before it needs it: "
+                    f"the in-order matching with rank {src} puts it too late"
                 )
-            slots[msg.src].setdefault(send_slot, []).append(Send(msg))
-            slots[msg.dst].setdefault(recv_slot, []).append(Recv(msg))
-            last_slot[msg.src], last_slot[msg.dst] = send_slot, recv_slot
+            posts = slots[src].get(send_slot)
+            if posts is None:
+                slots[src][send_slot] = [Send(msg)]
+            else:
+                posts.append(Send(msg))
+            posts = slots[dst].get(recv_slot)
+            if posts is None:
+                slots[dst][recv_slot] = [Recv(msg)]
+            else:
+                posts.append(Recv(msg))
+            last_slot[src], last_slot[dst] = send_slot, recv_slot
     programs = []
     for rank, passes in enumerate(schedule.ranks):
         program: list[Action] = []
-        for k in range(len(passes) + 1):
-            program += slots[rank].get(k, [])
-            if k < len(passes):
-                program.append(passes[k])
+        posts = slots[rank]
+        for k, p in enumerate(passes):
+            if k in posts:
+                program += posts[k]
+            program.append(p)
+        program += posts.get(len(passes), [])
         programs.append(program)
     return programs
 
@@ -158,40 +234,50 @@ def check_lowering(schedule: Schedule, programs: list[list[Action]]) -> None:
     per-pair stream does, which also covers gloo's looser rules).
     """
     p = schedule.stages
+    table = _link_table(schedule)
     pos = [0] * p
-    queues: dict[tuple[int, int], list[Action]] = {}  # (rank, peer) -> posted, not yet completed
-    received: set[Message] = set()
-    produced_so_far: set[Message] = set()
+    queues: dict[tuple[int, int], deque] = {}  # (rank, peer) -> posted, not yet completed
+    received: set[tuple] = set()  # (kind number, microbatch, stages) of what arrived
+    produced_so_far: set[tuple] = set()
     progressed = True
     while progressed:
         progressed = False
         for rank in range(p):
-            program = programs[rank]
-            while pos[rank] < len(program):
-                item = program[pos[rank]]
-                if isinstance(item, (Send, Recv)):
-                    peer = item.msg.dst if isinstance(item, Send) else item.msg.src
-                    if isinstance(item, Send) and item.msg not in produced_so_far:
-                        raise ScheduleError(f"rank {rank} posts the send of {item.msg.describe()} before computing it")
-                    queues.setdefault((rank, peer), []).append(item)
+            program, links, at = programs[rank], table[rank], pos[rank]
+            while at < len(program):
+                item = program[at]
+                kind = type(item)
+                if kind is Send or kind is Recv:
+                    msg = item.msg
+                    if kind is Send:
+                        if (_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage) not in produced_so_far:
+                            raise ScheduleError(f"rank {rank} posts the send of {msg.describe()} before computing it")
+                        peer = msg.dst
+                    else:
+                        peer = msg.src
+                    queue = queues.get((rank, peer))
+                    if queue is None:
+                        queue = queues[rank, peer] = deque()
+                    queue.append(item)
                 else:
-                    need = consumed(schedule, rank, item)
-                    if need is not None and need not in received:
+                    send, recv = links[item.chunk, item.op]
+                    if recv is not None and (recv[5], item.mb, recv[1], recv[2]) not in received:
                         break
-                    out = produced(schedule, rank, item)
-                    if out is not None:
-                        produced_so_far.add(out)
-                pos[rank] += 1
+                    if send is not None:
+                        produced_so_far.add((send[5], item.mb, send[1], send[2]))
+                at += 1
                 progressed = True
+            pos[rank] = at
         for (rank, peer), queue in queues.items():
-            other = queues.get((peer, rank), [])
+            other = queues.get((peer, rank))
             while queue and other:
                 mine, theirs = queue[0], other[0]
                 if type(mine) is type(theirs) or mine.msg != theirs.msg:
                     break
-                queue.pop(0)
-                other.pop(0)
-                received.add(mine.msg)
+                queue.popleft()
+                other.popleft()
+                msg = mine.msg
+                received.add((_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage))
                 progressed = True
     for rank in range(p):
         if pos[rank] < len(programs[rank]):

@@ -8,24 +8,20 @@ from __future__ import annotations
 from .costs import Costs
 from .ops import facts
 from .problem import MemoryLimit
-from .schedule import Pass, Schedule
-
-
-def memory_delta(p: Pass, vstage: int, costs: Costs) -> float:
-    """Activation memory a pass adds (negative: frees) on its virtual stage."""
-    return facts(p.op).memory_change(costs, vstage)
+from .schedule import Schedule
 
 
 def memory_profile(schedule: Schedule, costs: Costs) -> list[list[float]]:
     """Per rank, activation memory held after each pass (depends on order only, not on timing)."""
-    profiles, deltas = [], {}  # deltas: per (op, virtual stage), worked out once
+    profiles = []
     for rank, passes in enumerate(schedule.ranks):
+        deltas = {}  # per (chunk, op), worked out once
         held, profile = 0.0, []
         for p in passes:
-            key = (p.op, schedule.virtual_stage(rank, p.chunk))
-            if key not in deltas:
-                deltas[key] = facts(p.op).memory_change(costs, key[1])
-            held += deltas[key]
+            delta = deltas.get((p.chunk, p.op))
+            if delta is None:
+                delta = deltas[p.chunk, p.op] = facts(p.op).memory_change(costs, schedule.virtual_stage(rank, p.chunk))
+            held += delta
             profile.append(held)
         profiles.append(profile)
     return profiles

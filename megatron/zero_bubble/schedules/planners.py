@@ -17,11 +17,12 @@ from .costs import Costs
 from .post_validation import with_post_validation
 from .problem import MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
+from .simulate import Timeline
 from .validate import validate
 
-__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind",
-           "conflicting_options", "default_memory_limit", "layout_of", "natural_chunks", "pipeline_schedule_names",
-           "plan", "resolve", "schedule_kind", "split_backward_schedules"]
+__all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind", "accepts_chunks",
+           "conflicting_options", "default_memory_limit", "layout_of", "multi_chunk_schedules", "natural_chunks",
+           "pipeline_schedule_names", "plan", "plan_with_timeline", "resolve", "schedule_kind", "split_backward_schedules"]
 
 
 @dataclass(frozen=True)
@@ -47,44 +48,75 @@ _V_PLACEMENT = (
 class ScheduleKind:
     """What every caller needs to know about a schedule name, kept in one place."""
 
-    layout: str  # how virtual stages map to ranks: "single", "interleaved" or "v"
+    layout: str  # how virtual stages map to ranks at its natural chunk count: "single", "interleaved" or "v"
     chunks: int  # natural model chunks per rank
     split_backward: bool  # runs B and W as separate passes (zero-bubble schedules)
     cost_aware: bool  # the pass order depends on the costs, so measured costs call for re-planning
     build: Callable[[PlanRequest], Schedule]  # the planner, given a request whose defaults are filled in
-    # Default limit in in-flight microbatches for p stages; None: the schedule's memory is fixed by its order.
-    default_memory_limit: Callable[[int], float] | None = None
+    # Default limit in in-flight microbatches for (p stages, chunks, m); None: the memory is fixed by the order.
+    default_memory_limit: Callable[[int, int, int | None], float] | None = None
     trainable: bool = True  # offered by pretrain_gpt.py (--pipeline-schedule) and run by the runtime
+    min_chunks: int | None = None  # chunks per rank it plans for, from min_chunks (None: `chunks` only) ...
+    max_chunks: int | None = None  # ... to max_chunks (None: no upper bound once min_chunks is given)
+    ilp: bool = False  # refines its plan with a time-limited ILP (PlanRequest.ilp_time_limit)
+    default_memory_text: str = ""  # the default limit as a formula, for help texts
 
     @property
     def conflicting_options(self) -> tuple[Conflict, ...]:
         return _V_PLACEMENT if self.layout == "v" else ()
+
+    def accepts_chunks(self, chunks: int) -> bool:
+        if self.min_chunks is None:
+            return chunks == self.chunks
+        return chunks >= self.min_chunks and (self.max_chunks is None or chunks <= self.max_chunks)
+
+    def chunks_text(self) -> str:
+        """The chunk counts it plans for, as a phrase: "exactly 2", "1 or more", "2 to 4"."""
+        if self.min_chunks is None:
+            return f"exactly {self.chunks}"
+        return f"{self.min_chunks} or more" if self.max_chunks is None else f"{self.min_chunks} to {self.max_chunks}"
+
+    def layout_for(self, chunks: int | None = None) -> str:
+        """The layout at `chunks` per rank (None: its natural count): a V stays a V; otherwise one chunk is
+        "single" and several are megatron's "interleaved" placement (virtual stage k*p + r)."""
+        chunks = self.chunks if chunks is None else chunks
+        if self.layout == "v":
+            return "v"
+        return "single" if chunks == 1 else "interleaved"
 
 
 def _v_shape(planner) -> Callable[[PlanRequest], Schedule]:
     return lambda r: planner(r.stages, r.microbatches, r.costs, r.memory_limit)
 
 
+def _per_stages(limit: Callable[[int], float]) -> Callable[[int, int, int | None], float]:
+    return lambda stages, chunks, microbatches: limit(stages)
+
+
 SCHEDULES: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind("single", 1, split_backward=False, cost_aware=False,
                          build=lambda r: baselines.one_f_one_b(r.stages, r.microbatches)),
     "interleaved-1f1b": ScheduleKind(
-        "interleaved", 2, split_backward=False, cost_aware=False,
+        "interleaved", 2, split_backward=False, cost_aware=False, min_chunks=2,
         build=lambda r: baselines.interleaved_one_f_one_b(r.stages, r.microbatches, r.chunks)),
     "zb-h1": ScheduleKind("single", 1, split_backward=True, cost_aware=False,
                           build=lambda r: handcrafted.zb_h1(r.stages, r.microbatches)),
     "zb-h2": ScheduleKind("single", 1, split_backward=True, cost_aware=False,
                           build=lambda r: handcrafted.zb_h2(r.stages, r.microbatches)),
     "zb-auto": ScheduleKind(
-        "single", 1, split_backward=True, cost_aware=True, default_memory_limit=auto.default_memory_limit,
-        build=lambda r: auto.zb_auto(r.stages, r.microbatches, r.costs, r.memory_limit,
+        "single", 1, split_backward=True, cost_aware=True, min_chunks=1, ilp=True,
+        default_memory_limit=auto.interleaved_memory_limit,
+        default_memory_text="2p (ZB-2p) with one chunk; with v chunks interleaved 1F1B's peak, (2(p-1) + (v-1)p + 1)/v",
+        build=lambda r: auto.zb_auto(r.stages, r.microbatches, r.costs, r.memory_limit, chunks=r.chunks,
                                      ilp_time_limit=r.ilp_time_limit, progress=r.progress)),
     "zb-v": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.zb_v),
-                         default_memory_limit=vshape.zb_v_memory_limit),
+                         default_memory_limit=_per_stages(vshape.zb_v_memory_limit), default_memory_text="p"),
     "v-half": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_half),
-                           default_memory_limit=vshape.v_half_memory_limit, trainable=False),
+                           default_memory_limit=_per_stages(vshape.v_half_memory_limit), trainable=False,
+                           default_memory_text="(p+2)//2"),
     "v-min": ScheduleKind("v", 2, split_backward=True, cost_aware=True, build=_v_shape(vbudget.v_min),
-                          default_memory_limit=vshape.v_min_memory_limit, trainable=False),
+                          default_memory_limit=_per_stages(vshape.v_min_memory_limit), trainable=False,
+                          default_memory_text="(p+4)//3"),
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
 
@@ -96,18 +128,34 @@ def schedule_kind(name: str) -> ScheduleKind:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULE_NAMES)}") from None
 
 
-def layout_of(name: str) -> str:
-    return schedule_kind(name).layout
+def layout_of(name: str, chunks: int | None = None) -> str:
+    """The schedule's layout at `chunks` per rank (None: its natural chunk count)."""
+    return schedule_kind(name).layout_for(chunks)
 
 
 def natural_chunks(name: str) -> int:
     return schedule_kind(name).chunks
 
 
-def default_memory_limit(name: str, stages: int) -> float | None:
-    """The planner's limit in in-flight microbatches when none is given (None: fixed by the schedule)."""
-    limit = schedule_kind(name).default_memory_limit
-    return None if limit is None else limit(stages)
+def accepts_chunks(name: str, chunks: int) -> bool:
+    """Whether the schedule plans for `chunks` model chunks per rank (zb-auto: any; V shapes: 2; 1F1B: 1)."""
+    return schedule_kind(name).accepts_chunks(chunks)
+
+
+def multi_chunk_schedules() -> tuple[str, ...]:
+    """The schedules that plan for more than one chunk per rank, in registry order."""
+    return tuple(name for name, kind in SCHEDULES.items() if kind.accepts_chunks(2))
+
+
+def default_memory_limit(name: str, stages: int, chunks: int | None = None,
+                         microbatches: int | None = None) -> float | None:
+    """The planner's limit in in-flight microbatches when none is given (None: fixed by the schedule). It may
+    depend on the chunks per rank (zb-auto: interleaved 1F1B's peak; None: the natural count) and on m
+    (fewer microbatches than that peak holds)."""
+    kind = schedule_kind(name)
+    if kind.default_memory_limit is None:
+        return None
+    return kind.default_memory_limit(stages, kind.chunks if chunks is None else chunks, microbatches)
 
 
 def conflicting_options(name: str) -> tuple[Conflict, ...]:
@@ -128,22 +176,27 @@ def resolve(name: str, request: PlanRequest) -> PlanRequest:
     """The request with its defaults filled in from the registry: chunks, costs and memory limit."""
     kind = schedule_kind(name)
     chunks = request.chunks or kind.chunks
+    if not kind.accepts_chunks(chunks):
+        raise ScheduleError(f"{name} plans {kind.chunks_text()} chunk(s) per rank, got chunks={chunks}")
     costs = request.costs if request.costs is not None else Costs.make(request.stages * chunks, chunks=chunks)
     limit = request.memory_limit
     if limit is None and kind.default_memory_limit is not None:
-        limit = MemoryLimit(kind.default_memory_limit(request.stages))
+        limit = MemoryLimit(kind.default_memory_limit(request.stages, chunks, request.microbatches))
     return replace(request, chunks=chunks, costs=costs, memory_limit=limit)
 
 
 def plan(name: str, request: PlanRequest) -> Schedule:
     """Build the named schedule and check it with the validator before handing it out."""
+    return plan_with_timeline(name, request)[0]
+
+
+def plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Timeline]:
+    """`plan`, and the validator's simulated timeline of the schedule on the request's costs."""
     kind = schedule_kind(name)
     if request.stages < 2 and name != "1f1b":
         raise ScheduleError(f"pipeline schedules need at least 2 stages, got {request.stages}")
     if request.microbatches < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
-    if kind.layout == "v" and (request.chunks or kind.chunks) != kind.chunks:
-        raise ScheduleError(f"{name} places exactly 2 chunks per rank (a V), got chunks={request.chunks}")
     request = resolve(name, request)
     schedule = kind.build(request)
     if request.post_validation:
@@ -154,4 +207,4 @@ def plan(name: str, request: PlanRequest) -> Schedule:
     schedule.info["predicted"].update(
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory
     )
-    return schedule
+    return schedule, timeline

@@ -113,8 +113,8 @@ def rollback_programs(schedule: Schedule, programs: list[list[Action]]) -> list[
 def _renumbered(item: Action, offset: int) -> Action:
     """The same action for microbatch mb + offset: a replay is told apart from the stale original."""
     if isinstance(item, Pass):
-        return replace(item, mb=item.mb + offset)
-    return type(item)(replace(item.msg, mb=item.msg.mb + offset))
+        return item._replace(mb=item.mb + offset)
+    return type(item)(item.msg._replace(mb=item.msg.mb + offset))
 
 
 def check_rollback(schedule: Schedule, programs: list[list[Action]]) -> None:

@@ -5,7 +5,7 @@ registry before it calls a planner, so no planner needs the registry.
 """
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 from .costs import Costs
@@ -27,7 +27,8 @@ class MemoryLimit:
 
     @classmethod
     def of(cls, microbatches: MemoryLimit | float | None = None, absolute: float | None = None) -> MemoryLimit | None:
-        """The limit from the two optional values that public signatures take; None when neither is given."""
+        """The limit from a MemoryLimit, a count of in-flight microbatches, or (the command line's two
+        spellings) an absolute amount; None when none is given."""
         if microbatches is not None and absolute is not None:
             raise ScheduleError("give the memory limit in microbatches or in the costs' unit, not both")
         if isinstance(microbatches, MemoryLimit):
@@ -62,10 +63,9 @@ class PlanRequest:
     chunks: int | None = None  # None: the schedule's natural chunk count (1, or 2 for V shapes)
     # A MemoryLimit, or a number of in-flight microbatches; stored as MemoryLimit | None (None: the default).
     memory_limit: MemoryLimit | float | None = None
-    memory_limit_absolute: InitVar[float | None] = None  # the older spelling of MemoryLimit(x, absolute=True)
     ilp_time_limit: float = 10.0  # seconds; 0 skips the ILP refinement
     progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
-    post_validation: bool = False  # insert the post-validation pass V on every rank (single layout only)
+    post_validation: bool = False  # insert the post-validation passes V and S on every rank (any layout)
 
-    def __post_init__(self, memory_limit_absolute: float | None) -> None:
-        object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit, memory_limit_absolute))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit))

@@ -5,30 +5,35 @@ backward, as 1F1B runs it). Each names a microbatch and a model chunk; the layou
 virtual stage. V and S are the post-validation passes (post_validation.py): one each per rank, as
 microbatch 0 on the rank's last chunk.
 What each kind of pass needs, costs and sends is in ops.TABLE.
-The JSON form is the contract in ARCHITECTURE.md and is what outside tools read.
+The JSON form is the contract the README states ("The schedule JSON") and what outside tools read.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .errors import ScheduleError
 from .ops import OPS, Op, as_op, facts
 
-__all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "stage_owner", "virtual_stage"]
+__all__ = ["LAYOUTS", "OPS", "Op", "Pass", "Schedule", "ScheduleError", "rank_stages", "stage_owner", "virtual_stage"]
 LAYOUTS = ("single", "interleaved", "v")
 
 
-@dataclass(frozen=True)
-class Pass:
-    op: Op  # given as Op or its string ("F"); an unknown string is refused here
+class _PassFields(NamedTuple):
+    op: Op
     mb: int
-    chunk: int = 0
+    chunk: int
 
-    def __post_init__(self):
-        if type(self.op) is not Op:
-            object.__setattr__(self, "op", as_op(self.op))
+
+class Pass(_PassFields):
+    """One compute pass: an op (given as Op or its string, "F"; an unknown string is refused here), a
+    microbatch and a model chunk. An immutable tuple: planners make and compare hundreds of thousands."""
+
+    __slots__ = ()
+
+    def __new__(cls, op, mb: int, chunk: int = 0):
+        return tuple.__new__(cls, (op if type(op) is Op else as_op(op), mb, chunk))
 
     def __str__(self) -> str:
         if not facts(self.op).per_microbatch:  # once per rank: its name says it all
@@ -62,6 +67,11 @@ def stage_owner(layout: str, stages: int, vstage: int) -> tuple[int, int]:
     if layout == "v":
         return (vstage, 0) if vstage < stages else (2 * stages - 1 - vstage, 1)
     raise ScheduleError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def rank_stages(layout: str, stages: int, chunks: int) -> list[tuple[int, ...]]:
+    """The virtual stages each rank holds, by chunk: rank_stages(...)[r][k] = virtual_stage(layout, p, r, k)."""
+    return [tuple(virtual_stage(layout, stages, r, k) for k in range(chunks)) for r in range(stages)]
 
 
 @dataclass

@@ -12,10 +12,12 @@ iteration's span (it waits for them only before stepping, while the next iterati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 from .costs import Costs
 from .memory import memory_profile
-from .ops import Op, PassKey, facts
+from .ops import TABLE, Op, PassKey, facts
 from .schedule import Pass, Schedule, ScheduleError
 
 
@@ -32,8 +34,7 @@ def duration(p: Pass, vstage: int, costs: Costs) -> float:
     return facts(p.op).duration(costs, vstage)
 
 
-@dataclass(frozen=True)
-class TimedPass:
+class TimedPass(NamedTuple):  # a tuple: planners time hundreds of thousands of passes
     rank: int
     vstage: int
     op: Pass
@@ -65,23 +66,31 @@ class Timeline:
         return ends[1].end - ends[0].start if ends is not None else 0.0
 
     def busy(self, rank: int) -> float:
-        return sum(t.end - t.start for t in self.ranks[rank])
+        return self._busy[rank]
+
+    @cached_property
+    def _busy(self) -> list[float]:  # worked out once: planners score many timelines of large plans
+        return [sum(t.end - t.start for t in passes) for passes in self.ranks]
+
+    @cached_property
+    def _longest_span(self) -> float:
+        return max(self.span(r) for r in range(len(self.ranks)))
 
     @property
     def bubble_time(self) -> float:
         """Paper's measure: longest per-rank span (own first to own last pass) minus the busiest rank's work."""
-        return max(self.span(r) for r in range(len(self.ranks))) - max(self.busy(r) for r in range(len(self.ranks)))
+        return self._longest_span - max(self._busy)
 
     @property
     def bubble_rate(self) -> float:
-        cost = max(self.span(r) for r in range(len(self.ranks)))
+        cost = self._longest_span
         return self.bubble_time / cost if cost > 0 else 0.0
 
     @property
     def bubble_rate_from_zero(self) -> float:
         """Bubble rate with every rank measured from time 0 to the makespan (start-up counted as idle)."""
         cost = self.makespan
-        return (cost - max(self.busy(r) for r in range(len(self.ranks)))) / cost if cost > 0 else 0.0
+        return (cost - max(self._busy)) / cost if cost > 0 else 0.0
 
 
 def simulate(schedule: Schedule, costs: Costs) -> Timeline:
@@ -91,51 +100,70 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         raise ScheduleError(
             f"costs describe {costs.num_virtual_stages} virtual stages but the schedule has {nv}"
         )
-    p = schedule.stages
-    ended: dict[PassKey, tuple[float, int]] = {}
+    p, m = schedule.stages, max(1, schedule.microbatches)
+    # ended[op][stage][mb]: when (op, mb, stage) got done, -1 while it has not (lists: planners time big plans);
+    # waiting[op][stage]: microbatch -> ranks stopped at a pass that needs it
+    ended = {op: [[-1.0] * m for _ in range(nv)] for op in Op}
+    waiting = {op: [{} for _ in range(nv)] for op in Op}
+    rows = _rows(schedule, costs, ended, waiting)
     timed: list[list[TimedPass]] = [[] for _ in range(p)]
     pos, free = [0] * p, [0.0] * p
-    rows: dict[tuple[Op, int], tuple] = {}  # the table's row per (op, virtual stage), worked out once
-    stage_of: dict[tuple[int, int], int] = {}  # (rank, chunk) -> virtual stage
-    t_comm = costs.t_comm
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank in range(p):
-            passes, at, end = schedule.ranks[rank], pos[rank], free[rank]
-            while at < len(passes):
-                op = passes[at]
-                vs = stage_of.get((rank, op.chunk))
-                if vs is None:
-                    vs = stage_of[rank, op.chunk] = schedule.virtual_stage(rank, op.chunk)
-                row = rows.get((op.op, vs))
-                if row is None:
-                    f = facts(op.op)
-                    row = rows[op.op, vs] = (f.needed_stages(vs, nv, p), f.duration(costs, vs), f.completes)
-                needs, length, completes = row
-                ready, mb = 0.0, op.mb
-                for need, stage in needs:
-                    done = ended.get((need, mb, stage))
-                    if done is None:
-                        break
-                    arrives = done[0] + (t_comm if done[1] != rank else 0.0)
-                    if arrives > ready:
-                        ready = arrives
-                else:  # every input has ended: the pass runs
-                    start = end if end > ready else ready
-                    end = start + length
-                    timed[rank].append(TimedPass(rank, vs, op, start, end))
-                    for work in completes:
-                        ended[work, mb, vs] = (end, rank)
-                    at += 1
-                    progressed = True
-                    continue
-                break
-            pos[rank], free[rank] = at, end
+    # A rank runs its passes until one lacks an input; it then waits for that input and runs on once it ends.
+    # Each pass is looked at about once, whichever way the dependencies point.
+    runnable = list(reversed(range(p)))
+    while runnable:
+        rank = runnable.pop()
+        passes, at, end, row_of, out = schedule.ranks[rank], pos[rank], free[rank], rows[rank], timed[rank]
+        while at < len(passes):
+            op = passes[at]
+            row, mb = row_of.get((op.chunk, op.op)), op.mb
+            if row is None or not 0 <= mb < m:
+                raise ScheduleError(f"rank {rank} runs {op.describe()}, outside the schedule's chunks or "
+                                    f"microbatches (the validator names such problems first)")
+            vs, needs, length, completes = row
+            ready = 0.0
+            for done, comm, waiters in needs:
+                arrives = done[mb]
+                if arrives < 0:
+                    waiters.setdefault(mb, []).append(rank)
+                    break
+                arrives += comm
+                if arrives > ready:
+                    ready = arrives
+            else:  # every input has ended: the pass runs
+                start = end if end > ready else ready
+                end = start + length
+                out.append(TimedPass(rank, vs, op, start, end))
+                for work, waiters in completes:
+                    work[mb] = end
+                    if waiters and mb in waiters:
+                        runnable += waiters.pop(mb)
+                at += 1
+                continue
+            break
+        pos[rank], free[rank] = at, end
     if any(pos[r] < len(schedule.ranks[r]) for r in range(p)):
         raise ScheduleError(_deadlock_message(schedule, pos, ended))
     peaks = [max(profile, default=0.0) for profile in memory_profile(schedule, costs)]
     return Timeline(schedule, costs, timed, peaks)
+
+
+def _rows(schedule: Schedule, costs: Costs, ended: dict, waiting: dict) -> list[dict]:
+    """Per rank, the table's row of each (chunk, op): virtual stage, needs as (end times of the needed pass,
+    T_comm to get here, who waits for it), duration, and the (end times, waiters) the pass fills in."""
+    nv, p = schedule.num_virtual_stages, schedule.stages
+    rows = []
+    for rank in range(p):
+        row_of = {}
+        for chunk in range(schedule.chunks):
+            vs = schedule.virtual_stage(rank, chunk)
+            for op, f in TABLE.items():
+                needs = tuple((ended[need][u], costs.t_comm if schedule.owner(u)[0] != rank else 0.0, waiting[need][u])
+                              for need, u in f.needed_stages(vs, nv, p))
+                completes = tuple((ended[work][vs], waiting[work][vs]) for work in f.completes)
+                row_of[chunk, op] = (vs, needs, f.duration(costs, vs), completes)
+        rows.append(row_of)
+    return rows
 
 
 def _deadlock_message(schedule: Schedule, pos: list[int], ended: dict) -> str:
@@ -147,7 +175,7 @@ def _deadlock_message(schedule: Schedule, pos: list[int], ended: dict) -> str:
     rank = next(r for r in range(schedule.stages) if pos[r] < len(schedule.ranks[r]))
     op = schedule.ranks[rank][pos[rank]]
     missing = next(d for d in requires(op, schedule.virtual_stage(rank, op.chunk), nv, schedule.stages)
-                   if d not in ended)
+                   if ended[d[0]][d[2]][d[1]] < 0)
     if missing not in where:
         return (
             f"rank {rank} cannot run {op.describe()}: no rank runs {missing[0]} of microbatch {missing[1]} "

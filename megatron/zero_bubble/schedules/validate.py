@@ -8,10 +8,12 @@ the memory limit. What each op needs and whether it is once per rank are rows of
 """
 from __future__ import annotations
 
+from collections import deque
+
 from .comm import check_lowering, lower
 from .costs import Costs
 from .memory import memory_profile
-from .ops import MICROBATCH_WORK, OPS, facts, per_rank_chunk, per_rank_ops
+from .ops import MICROBATCH_WORK, OPS, Op, facts, per_rank_chunk, per_rank_ops
 from .post_validation import check_rollback
 from .problem import MemoryLimit
 from .schedule import LAYOUTS, Schedule, ScheduleError
@@ -106,12 +108,15 @@ def check_coverage(schedule: Schedule) -> None:
 
 def _check_w_follows_b(rank: int, passes) -> None:
     """The runtime keeps deferred weight gradients in a FIFO per chunk: W passes follow B order."""
-    waiting: dict[int, list[int]] = {}  # per chunk, microbatches whose B ran and whose W has not
+    waiting: dict[int, deque] = {}  # per chunk, microbatches whose B ran and whose W has not
     for p in passes:
-        if p.op == "B":
-            waiting.setdefault(p.chunk, []).append(p.mb)
-        elif p.op == "W":
-            oldest = waiting[p.chunk].pop(0)
+        if p.op is Op.B:
+            queue = waiting.get(p.chunk)
+            if queue is None:
+                queue = waiting[p.chunk] = deque()
+            queue.append(p.mb)
+        elif p.op is Op.W:
+            oldest = waiting[p.chunk].popleft()
             if oldest != p.mb:
                 raise ScheduleError(
                     f"rank {rank} runs {p.describe()} before the W of microbatch {oldest}, whose B ran first; "
@@ -135,16 +140,15 @@ def validate(
     schedule: Schedule,
     costs: Costs | None = None,
     memory_limit: MemoryLimit | float | None = None,
-    memory_limit_absolute: float | None = None,
     check_comm: bool = True,
 ) -> Timeline:
     """Raise ScheduleError with one sentence on the first problem; return the simulated timeline if none.
 
-    memory_limit is a MemoryLimit or in-flight microbatches (multiples of a rank's M_B);
-    memory_limit_absolute, the older spelling of an absolute limit, is in the costs' unit (bytes when the
-    costs carry bytes). Without costs, uniform unit costs are used.
+    memory_limit is a MemoryLimit (in-flight microbatches, multiples of a rank's M_B, or absolute in the
+    costs' unit: bytes when the costs carry bytes) or a count of in-flight microbatches. Without costs,
+    uniform unit costs are used.
     """
-    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+    limit = MemoryLimit.of(memory_limit)
     check_structure(schedule)
     check_coverage(schedule)
     if costs is None:

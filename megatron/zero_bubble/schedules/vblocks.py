@@ -20,7 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .costs import Costs
-from .schedule import Pass
+from .ops import Op
+from .schedule import Pass, rank_stages, stage_owner
+
+LAYOUT = "v"  # blocks are laid out along the V (schedule.virtual_stage says which rank holds which stage)
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,8 @@ def build_block(stages: int, grid: Grid, shape: Shape, extra: int = 0) -> Block 
     in every period; W passes last, in the order of their B. The period is the busiest rank's work plus
     `extra` slots. None when a pass finds no free slot (the grid is too fragmented)."""
     nv = 2 * stages
-    owner = [v if v < stages else nv - 1 - v for v in range(nv)]
-    period = max(grid.f[v] + grid.b[v] + grid.w[v] + grid.f[u] + grid.b[u] + grid.w[u]
-                 for v, u in ((r, nv - 1 - r) for r in range(stages))) + extra
+    owner = [stage_owner(LAYOUT, stages, v)[0] for v in range(nv)]
+    period = max(sum(grid.f[v] + grid.b[v] + grid.w[v] for v in own) for own in rank_stages(LAYOUT, stages, 2)) + extra
     taken = [bytearray(period) for _ in range(stages)]
 
     def place(rank: int, ready: int, length: int) -> int | None:
@@ -138,9 +140,10 @@ def block_order(block: Block, stages: int, microbatches: int) -> list[list[Pass]
     nv = 2 * stages
     ranks: list[list[tuple]] = [[] for _ in range(stages)]
     for v in range(nv):
-        rank, chunk = (v, 0) if v < stages else (nv - 1 - v, 1)
+        rank, chunk = stage_owner(LAYOUT, stages, v)
         for k in range(microbatches):
             base = k * block.period
-            ranks[rank] += [(base + block.f[v], 0, k, "F", chunk), (base + block.b[v], 1, k, "B", chunk),
-                            (base + block.w[v], 2, k, "W", chunk)]
-    return [[Pass(op, k, chunk) for _, _, k, op, chunk in sorted(items)] for items in ranks]
+            ranks[rank] += [(base + block.f[v], 0, k, Op.F, chunk), (base + block.b[v], 1, k, Op.B, chunk),
+                            (base + block.w[v], 2, k, Op.W, chunk)]
+    make = Pass._make  # the ops are Op already
+    return [[make((op, k, chunk)) for _, _, k, op, chunk in sorted(items)] for items in ranks]

@@ -26,17 +26,18 @@ from typing import Callable
 from .costs import Costs
 from .memory import memory_profile
 from .problem import MemoryLimit
-from .schedule import Schedule, ScheduleError
+from .schedule import Schedule, ScheduleError, rank_stages
 from .simulate import simulate
 from .vblocks import Block, Grid, Shape, block_order, build_block, paper_shape
 from .vcompact import left_justify, refill_weight_passes, right_justify
-from .vshape import (_PACED_POLICIES, _POLICIES, Policy, _Greedy, paper_v_order, v_half_memory_limit,
+from .vshape import (LAYOUT, PACED_POLICIES, POLICIES, Policy, VGreedy, paper_v_order, v_half_memory_limit,
                      v_min_memory_limit, zb_v_memory_limit)
 
 _EPS = 1e-9
 MEM_SETUPS = {"min": v_min_memory_limit, "half": v_half_memory_limit, "zb": zb_v_memory_limit}
-# Passes (6pm) up to which every candidate is tried, and up to which the reduced set still is.
-_FULL_EFFORT, _MEDIUM_EFFORT = 4000, 12000
+# Passes (6pm) up to which every candidate is tried, up to which the reduced sets are, and above which only
+# the paper's blocks and ZB-V order with the greedy seeded by it (p = 32, m = 256 is 49152 passes).
+_FULL_EFFORT, _MEDIUM_EFFORT, _LARGE_EFFORT = 4000, 12000, 50000
 
 
 def mem_setup_limit(setup: str, stages: int) -> float:
@@ -72,8 +73,7 @@ class _Planner:
 
     def __init__(self, stages: int, microbatches: int, costs: Costs):
         self.p, self.m, self.costs = stages, microbatches, costs
-        nv = 2 * stages
-        self.rank_mb = [costs.m_f[r] + costs.m_f[nv - 1 - r] for r in range(stages)]  # M_B of each rank
+        self.rank_mb = costs.rank_microbatch_memory(rank_stages(LAYOUT, stages, 2))  # M_B of each rank
         self.passes = 6 * stages * microbatches
         self.levels = memory_levels(stages, microbatches)
         self.done: dict[float, list[_Candidate]] = {}
@@ -81,7 +81,7 @@ class _Planner:
     # -- evaluation -------------------------------------------------------------------------------------
 
     def _schedule(self, order) -> Schedule:
-        return Schedule(self.p, 2, self.m, "v", order)
+        return Schedule(self.p, 2, self.m, LAYOUT, order)
 
     def _keep(self, found: list[_Candidate], order, how: dict, limits: list[float]):
         """Simulate an order and keep it if it fits `limits`; returns it as a Schedule with its timeline (for
@@ -135,19 +135,26 @@ class _Planner:
     # Which blocks and squeezes each effort tries: (shape, which of the fitting periods, squeezes). Chosen by
     # how much of the best of every combination they keep, over p 4..16, m 2p and 4p, the paper's 1.5B,
     # 6.2B and 14.6B costs, equal costs and uneven stages with T_comm > 0, at V-Min's and V-Half's memory.
+    # Large: the plain mirrored shape never beat the mirrored half one at p = 32 (issue 12's cost sets) or on
+    # the paper's ZB-V rows, and at V-Min's memory neither beat the paper's block squeezed; huge (p = 64,
+    # m = 512 and beyond) keeps the paper's blocks only, V-Half's refilled.
     _GRID_TRIES = {
         "full": (("mirrored half", 0, "LR"), ("mirrored", 0, "WL"), ("mirrored", 1, "L"), ("mirrored", 2, "W"),
                  ("half", 0, "L")),
         "medium": (("mirrored half", 0, "LR"), ("mirrored", 0, "WL"), ("mirrored", 1, "L")),
-        "large": (("mirrored half", 0, "L"), ("mirrored", 0, "L")),
+        "large": (("mirrored half", 0, "L"),),
+        "huge": (),
     }
     # The paper's blocks: at V-Min's memory squeezed from both sides; at V-Half's also with W refilled (which
     # is what matches the reference implementation's V-Half with equal pass times).
     _PAPER_TRIES = {("full", "min"): "LRW", ("full", "half"): "LRW", ("medium", "min"): "LR",
-                    ("medium", "half"): "LRW", ("large", "min"): "L", ("large", "half"): "W"}
+                    ("medium", "half"): "LRW", ("large", "min"): "L", ("large", "half"): "W", ("huge", "min"): "",
+                    ("huge", "half"): "W"}
 
     def _effort(self) -> str:
-        return "full" if self.passes <= _FULL_EFFORT else "medium" if self.passes <= _MEDIUM_EFFORT else "large"
+        if self.passes <= _MEDIUM_EFFORT:
+            return "full" if self.passes <= _FULL_EFFORT else "medium"
+        return "large" if self.passes <= _LARGE_EFFORT else "huge"
 
     def _blocks(self, level: float, limits: list[float]):
         """Building blocks for V-Min's or V-Half's memory: the paper's block of that name, and shapes on a
@@ -166,7 +173,8 @@ class _Planner:
             grid = Grid.of(self.costs, quantum)
         shapes = dict(self._grid_shapes(grid))
         fitting: dict[str, list[Block]] = {}
-        for shape_name, which, squeezes in self._GRID_TRIES[effort]:
+        tries = self._GRID_TRIES[effort] if kinds != ["min"] or effort != "large" else ()
+        for shape_name, which, squeezes in tries:
             if shape_name not in fitting:
                 wanted = 1 + max(w for s, w, _ in self._GRID_TRIES[effort] if s == shape_name)
                 fitting[shape_name] = list(self._fitting(grid, shapes[shape_name], limits, wanted))
@@ -188,8 +196,7 @@ class _Planner:
     def _fitting(self, grid: Grid, shape: Shape, limits: list[float], wanted: int):
         """The first `wanted` blocks, by fewest extra slots per period (up to the work again), whose memory
         fits: a longer period can still squeeze better."""
-        work = max(grid.f[v] + grid.b[v] + grid.w[v] + grid.f[u] + grid.b[u] + grid.w[u]
-                   for v, u in ((r, 2 * self.p - 1 - r) for r in range(self.p)))
+        work = max(sum(grid.f[v] + grid.b[v] + grid.w[v] for v in own) for own in rank_stages(LAYOUT, self.p, 2))
         for extra in range(0, work + 1):
             block = build_block(self.p, grid, shape, extra)
             if block is not None and self._block_fits(block, limits):
@@ -202,7 +209,7 @@ class _Planner:
         """Whether the block's steady state fits: enough copies to reach it, memory per rank."""
         span = max(block.w + block.b) - min(block.f)
         copies = span // block.period + 3
-        schedule = Schedule(self.p, 2, copies, "v", block_order(block, self.p, copies))
+        schedule = Schedule(self.p, 2, copies, LAYOUT, block_order(block, self.p, copies))
         return all(max(profile) <= limit * (1 + _EPS) + _EPS
                    for profile, limit in zip(memory_profile(schedule, self.costs), limits))
 
@@ -217,13 +224,13 @@ class _Planner:
         if paper_fits:  # ZB-V's memory: the paper's order seeds the best runs (and it is a plan itself)
             self._keep(found, paper.ranks, {"paper_order": "ZB-V"}, limits)
             until_last_f = [r[: max(i for i, x in enumerate(r) if x.op == "F") + 1] for r in paper.ranks]
-            seeds += [(policy, until_last_f) for policy in _POLICIES[:2 if effort == "full" else 1]]
-            seeds += [(policy, None) for policy in _POLICIES[:2 if effort == "full" else 0]]
+            seeds += [(policy, until_last_f) for policy in POLICIES[:2 if effort == "full" else 1]]
+            seeds += [(policy, None) for policy in POLICIES[:2 if effort == "full" else 0]]
         else:
-            seeds += [(policy, None) for policy in _POLICIES[:3] + _PACED_POLICIES[:3 if effort == "full" else 1]]
+            seeds += [(policy, None) for policy in POLICIES[:3] + PACED_POLICIES[:3 if effort == "full" else 1]]
         runs = []
         for policy, prefix in seeds:
-            greedy = _Greedy(self.p, self.m, self.costs, limits, policy, prefix)
+            greedy = VGreedy(self.p, self.m, self.costs, limits, policy, prefix)
             order = greedy.run()
             if order is not None:
                 how = {"greedy": asdict(policy)} | ({"seed": "paper V until each rank's last F"} if prefix else {})
@@ -257,9 +264,8 @@ def _costs_for(name: str, stages: int, microbatches: int, costs: Costs | None) -
 
 def _refuse_below_v_min(name: str, stages: int, costs: Costs, limit: MemoryLimit, limits: list[float]) -> None:
     low = v_min_memory_limit(stages)
-    nv = 2 * stages
-    for r, given in enumerate(limits):
-        need = low * (costs.m_f[r] + costs.m_f[nv - 1 - r])
+    for r, (given, one) in enumerate(zip(limits, costs.rank_microbatch_memory(rank_stages(LAYOUT, stages, 2)))):
+        need = low * one
         if given < need * (1 - _EPS) - _EPS:
             what = (f"{limit.amount:.4g} M_B" if not limit.absolute
                     else f"{given:.4g} {costs.memory_unit} (rank {r} needs {need:.4g})")
@@ -280,14 +286,14 @@ def v_plans(stages: int, microbatches: int, costs: Costs | None, budgets: dict) 
     planner, plans = _Planner(stages, microbatches, costs), {}
     for key, memory_limit in budgets.items():
         name = key if isinstance(key, str) else "zb-v"
-        limits = memory_limit.per_rank(stages, 2, "v", costs)
+        limits = memory_limit.per_rank(stages, 2, LAYOUT, costs)
         _refuse_below_v_min(name, stages, costs, memory_limit, limits)
         found = planner.best(limits)
         if found is None:
             raise ScheduleError(f"{name} found no schedule within the memory budget; raise the budget")
         candidate, level = found
         info = {"planner": candidate.how | {"memory_level": level}}
-        plans[key] = Schedule(stages, 2, microbatches, "v", candidate.order, name=name, info=info)
+        plans[key] = Schedule(stages, 2, microbatches, LAYOUT, candidate.order, name=name, info=info)
     return plans
 
 
@@ -312,26 +318,23 @@ def budget_curve(stages: int, microbatches: int, costs: Costs | None = None,
     return curve
 
 
-def _limit(memory_limit, memory_limit_absolute, default: float) -> MemoryLimit:
-    """The given limit (a MemoryLimit, in-flight microbatches, or the older absolute keyword), else the default."""
-    limit = MemoryLimit.of(memory_limit, memory_limit_absolute)
+def _limit(memory_limit: MemoryLimit | float | None, default: float) -> MemoryLimit:
+    """The given limit (a MemoryLimit or in-flight microbatches), else the default."""
+    limit = MemoryLimit.of(memory_limit)
     return MemoryLimit(default) if limit is None else limit
 
 
-def zb_v(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def zb_v(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """ZB-V: the best V plan within the budget, p M_B (1F1B's peak) by default; zero bubble with
     T_F = T_B = T_W there. Any budget from V-Min's up is accepted."""
-    return plan_v("zb-v", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, zb_v_memory_limit(stages)))
+    return plan_v("zb-v", stages, microbatches, costs, _limit(memory_limit, zb_v_memory_limit(stages)))
 
 
-def v_half(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def v_half(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """V-Half: the same planner within about half of 1F1B's activation memory, (p+2)//2 M_B by default."""
-    return plan_v("v-half", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, v_half_memory_limit(stages)))
+    return plan_v("v-half", stages, microbatches, costs, _limit(memory_limit, v_half_memory_limit(stages)))
 
 
-def v_min(stages, microbatches, costs=None, memory_limit=None, memory_limit_absolute=None) -> Schedule:
+def v_min(stages, microbatches, costs=None, memory_limit: MemoryLimit | float | None = None) -> Schedule:
     """V-Min: the same planner within about a third of 1F1B's activation memory, (p+4)//3 M_B by default."""
-    return plan_v("v-min", stages, microbatches, costs,
-                  _limit(memory_limit, memory_limit_absolute, v_min_memory_limit(stages)))
+    return plan_v("v-min", stages, microbatches, costs, _limit(memory_limit, v_min_memory_limit(stages)))

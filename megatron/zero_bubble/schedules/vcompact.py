@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 
 from .costs import Costs
 from .ops import OPS, Op, facts
@@ -247,12 +248,15 @@ def _fill_weight_passes(schedule: Schedule, costs: Costs, limits: list[float]) -
     p, row = schedule.stages, _Facts(schedule, costs)
     fb = [[x for x in passes if x.op != Op.W] for passes in schedule.ranks]
     out: list[list[Pass]] = [[] for _ in range(p)]
-    pending: list[list[Pass]] = [[] for _ in range(p)]  # W passes whose B ran, oldest first
+    pending: list[deque] = [deque() for _ in range(p)]  # W passes whose B ran, oldest first
     ended: dict[tuple, float] = {}
     position, free, held = [0] * p, [0.0] * p, [0.0] * p
-    events, left = [0.0], sum(map(len, schedule.ranks))
-
+    left = sum(map(len, schedule.ranks))
+    # (time, rank): look at a rank when it is free, when an input of its next pass arrives, or when that pass
+    # could start; ranks looked at the same time go in rank order
+    events = [(0.0, rank) for rank in range(p)]
     vstage = [[schedule.virtual_stage(r, c) for c in range(schedule.chunks)] for r in range(p)]
+    owner = [schedule.owner(v)[0] for v in range(schedule.num_virtual_stages)]
 
     def ready(rank: int, x: Pass) -> float | None:
         at = 0.0
@@ -263,7 +267,7 @@ def _fill_weight_passes(schedule: Schedule, costs: Costs, limits: list[float]) -
             at = max(at, end + comm)
         return at
 
-    def start(rank: int, x: Pass, t: float) -> float:
+    def start(rank: int, x: Pass, t: float) -> None:
         nonlocal left
         v = vstage[rank][x.chunk]
         _, completes, length, change = row(x.op, v)
@@ -273,15 +277,19 @@ def _fill_weight_passes(schedule: Schedule, costs: Costs, limits: list[float]) -
         out[rank].append(x)
         free[rank] = t + length
         left -= 1
-        return t + length
+        heapq.heappush(events, (t + length, rank))
+        for _, u, comm in row.users_of(x.op, v):  # the ranks whose passes wait for this one
+            if owner[u] != rank:
+                heapq.heappush(events, (t + length + comm, owner[u]))
 
     while left:
         if not events:  # nothing can start any more: the F/B order deadlocks; keep what was given
             return schedule.ranks
-        t = heapq.heappop(events)
-        while events and events[0] <= t + _EPS:
-            heapq.heappop(events)
-        for rank in range(p):
+        t, rank = heapq.heappop(events)
+        due = {rank}
+        while events and events[0][0] <= t + _EPS:
+            due.add(heapq.heappop(events)[1])
+        for rank in sorted(due):
             if free[rank] > t + _EPS:
                 continue
             nxt = fb[rank][position[rank]] if position[rank] < len(fb[rank]) else None
@@ -292,18 +300,18 @@ def _fill_weight_passes(schedule: Schedule, costs: Costs, limits: list[float]) -
                     position[rank] += 1
                     if nxt.op == Op.B:
                         pending[rank].append(Pass(Op.W, nxt.mb, nxt.chunk))
-                    heapq.heappush(events, start(rank, nxt, t))
+                    start(rank, nxt, t)
                     continue
-                heapq.heappush(events, start(rank, pending[rank].pop(0), t))  # free memory first
+                start(rank, pending[rank].popleft(), t)  # free memory first
             elif pending[rank]:
                 w = pending[rank][0]
                 length = row(Op.W, vstage[rank][w.chunk])[2]
                 if nxt is None or at is None or t + length <= at + _EPS:
-                    heapq.heappush(events, start(rank, pending[rank].pop(0), t))
+                    start(rank, pending[rank].popleft(), t)
                 else:
-                    heapq.heappush(events, at)
+                    heapq.heappush(events, (at, rank))
             elif at is not None:
-                heapq.heappush(events, at)
+                heapq.heappush(events, (at, rank))
     return out
 
 

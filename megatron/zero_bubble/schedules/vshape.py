@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 from .costs import Costs
 from .ops import facts
-from .schedule import Pass
+from .schedule import Pass, rank_stages, stage_owner
+
+LAYOUT = "v"
 
 _EPS = 1e-9
 
@@ -59,7 +61,7 @@ class Policy:
 
 # Chosen greedily (each one cuts the summed regret most) from a sweep of all 144 combinations over p 3..8,
 # the paper's profiled costs, equal and skewed costs, T_comm 0 and > 0, and the three memory limits.
-_POLICIES = (
+POLICIES = (
     Policy(("F1", "F0", "B"), "older", "slack", 0.0, 0, 0),
     Policy(("F1", "B", "F0"), "chunk1", "slack", 0.0, 0, 0),
     Policy(("F1", "F0", "B"), "chunk1", "slack", 0.5, 0, 0),
@@ -70,7 +72,7 @@ _POLICIES = (
     Policy(("B", "F1", "F0"), "chunk1", "fits", 0.5, None, None),
 )
 # Added when the memory limit is below what the paper's V needs (V-Half, V-Min), chosen the same way.
-_PACED_POLICIES = (
+PACED_POLICIES = (
     Policy(("F1", "B", "F0"), "older", "slack", pace=1.0, burst=2),
     Policy(("F1", "B", "F0"), "older", "slack", pace=1.0, burst=1),
     Policy(("F1", "F0", "B"), "older", "slack", pace=1.0, burst=2),
@@ -85,7 +87,7 @@ class _Rank:
 
     def __init__(self, rank: int, stages: int, limit: float):
         self.rank = rank
-        self.vstages = (rank, 2 * stages - 1 - rank)
+        self.vstages = rank_stages(LAYOUT, stages, 2)[rank]
         self.next = {(op, c): 0 for op in "FBW" for c in (0, 1)}
         self.memory = 0.0
         self.limit = limit
@@ -94,8 +96,9 @@ class _Rank:
         self.order: list[Pass] = []
 
 
-class _Greedy:
-    """One run of the list scheduler under one policy."""
+class VGreedy:
+    """One run of the list scheduler under one policy: `run()` gives each rank's order, `bubble_rate()` the
+    paper's bubble of the run's own timeline."""
 
     def __init__(self, stages, microbatches, costs: Costs, limits: list[float], policy: Policy, prefix=None):
         self.prefix = prefix  # per rank, passes to run first and in this order (a seed such as the paper's V)
@@ -105,19 +108,26 @@ class _Greedy:
         # ops.TABLE's duration and memory change of F, B and W per virtual stage, looked up once per pass.
         self.times = {op: [facts(op).duration(costs, v) for v in range(self.nv)] for op in "FBW"}
         self.memory = {op: [facts(op).memory_change(costs, v) for v in range(self.nv)] for op in "FBW"}
+        self.owner = [stage_owner(LAYOUT, stages, v)[0] for v in range(self.nv)]
+        self.users = {op: [[] for _ in range(self.nv)] for op in "FBW"}  # op -> stage -> passes that need it
+        for user in "FBW":
+            for v in range(self.nv):
+                for need, u in facts(user).needed_stages(v, self.nv, stages):
+                    comm = costs.t_comm if self.owner[u] != self.owner[v] else 0.0
+                    self.users[need][u].append((user, v, comm))
         self.warmup = None if policy.warmup is None else self._warmup_counts(policy.warmup)
         cycle = max(sum(t[v] for t in self.times.values() for v in rk.vstages) for rk in self.ranks)
         self.pace = None if policy.pace is None else policy.pace * cycle
         if policy.f0_cap is not None:
-            # The paper's V holds 2p-1-r chunk-0 and r+1 chunk-1 activations on rank r at p M_B; under a
-            # smaller limit keep the same split, so chunk 0 cannot crowd out the way back up.
+            # The paper's V holds 2p-1-r (the virtual stage of chunk 1) chunk-0 and r+1 chunk-1 activations on
+            # rank r at p M_B; under a smaller limit keep the same split, so chunk 0 cannot crowd out the way up.
             share = [min(1.0, rk.limit / (self.p * (costs.m_f[rk.vstages[0]] + costs.m_f[rk.vstages[1]])))
                      for rk in self.ranks]
-            self.f0_caps = [max(1, int((2 * self.p - 1 - r) * share[r] + _EPS) + policy.f0_cap)
-                            for r in range(self.p)]
+            self.f0_caps = [max(1, int(rk.vstages[1] * share[rk.rank] + _EPS) + policy.f0_cap)
+                            for rk in self.ranks]
 
     def _owner(self, vstage: int) -> int:
-        return vstage if vstage < self.p else self.nv - 1 - vstage
+        return self.owner[vstage]
 
     def _warmup_counts(self, extra: int) -> list[int]:
         """Chunk-0 forwards each rank fits before microbatch 0 returns to its chunk 1, on an empty pipeline."""
@@ -126,8 +136,9 @@ class _Greedy:
             hop = self.costs.t_comm if self._owner(v) != self._owner(v + 1) else 0.0
             start.append(start[-1] + self.costs.t_f[v] + hop)
         return [
-            max(1, int((start[self.nv - 1 - r] - start[r]) / max(self.costs.t_f[r], _EPS) + _EPS)) + extra
-            for r in range(self.p)
+            max(1, int((start[rk.vstages[1]] - start[rk.vstages[0]]) / max(self.costs.t_f[rk.vstages[0]], _EPS)
+                       + _EPS)) + extra
+            for rk in self.ranks
         ]
 
     def _arrival(self, op: str, mb: int, vstage: int, rank: int) -> float | None:
@@ -239,31 +250,41 @@ class _Greedy:
     def run(self) -> list[list[Pass]] | None:
         """Each rank's pass order, or None if this policy gets stuck (it cannot under the memory rules)."""
         remaining = 6 * self.p * self.m
-        events = [0.0]
+        # (time, rank): look at a rank when it is free, when an input of its passes arrives, or when it asked
+        # to be woken; ranks looked at the same time go in rank order (a rank later in it sees what the ones
+        # before it started)
+        events = [(0.0, r) for r in range(self.p)]
         while remaining:
             if not events:
                 return None
-            t = heapq.heappop(events)
-            while events and events[0] <= t + _EPS:
-                heapq.heappop(events)
-            progressed = True
-            while progressed:  # a zero-length pass can make another ready at the same instant
-                progressed = False
-                for rk in self.ranks:
-                    if rk.free_at > t + _EPS or len(rk.order) == 6 * self.m:
-                        continue
-                    choice, wake = self._choose(rk, t)
-                    if choice is None:
-                        if wake is not None:
-                            heapq.heappush(events, wake)
-                        continue
-                    end = self._start(rk, *choice, t)
-                    remaining -= 1
-                    if end > t + _EPS:
-                        heapq.heappush(events, end)
-                    else:
-                        progressed = True
+            t, r = heapq.heappop(events)
+            due = {r}
+            while events and events[0][0] <= t + _EPS:
+                due.add(heapq.heappop(events)[1])
+            for r in sorted(due):
+                rk = self.ranks[r]
+                if rk.free_at > t + _EPS or len(rk.order) == 6 * self.m:
+                    continue
+                choice, wake = self._choose(rk, t)
+                if choice is None:
+                    if wake is not None:
+                        heapq.heappush(events, (wake, r))
+                    continue
+                end = self._start(rk, *choice, t)
+                remaining -= 1
+                heapq.heappush(events, (end, r))
+                for other, at in self._consumers(choice[0], rk.vstages[choice[1]], end):
+                    heapq.heappush(events, (at, other))
         return [rk.order for rk in self.ranks]
+
+    def _consumers(self, op: str, vstage: int, end: float) -> list[tuple[int, float]]:
+        """(rank, arrival) of the other ranks whose next passes may wait for this F or B (ops.TABLE's needs)."""
+        out = []
+        for user_op, user_stage, comm in self.users[op][vstage]:
+            other = self.owner[user_stage]
+            if other != self.owner[vstage]:
+                out.append((other, end + comm))
+        return out
 
     def bubble_rate(self) -> float:
         """The paper's bubble rate of the run's own timeline (simulating the order can only start passes earlier)."""
