@@ -52,7 +52,7 @@ POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/megatron/clip/resumed", "pp4/z
                         "pp4/zb-auto/post-validation-exact", "pp4/zb-auto/post-validation-exact/resumed",
                         "pp4/zb-v/clip", "pp4/zb-v/post-validation-exact", "pp4/v-half/post-validation-exact",
                         "pp4/interleaved/clip",
-                        "pp4/interleaved/post-validation-exact",
+                        "pp4/interleaved/post-validation-exact", "pp4/zb-auto/interleaved/post-validation-exact",
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
                         "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
                         "dp2pp2/zb-auto/distributed/overlap", "dp2pp2/post-validation/distributed/overlap", "pp4/moe/megatron/fp16",
@@ -94,6 +94,8 @@ def _runs(work: str) -> dict[str, list[str]]:
         "pp4/1f1b-runtime": PP4 + ["--enable-zb-runtime"],
         "pp4/interleaved": PP4 + ["--pipeline-schedule", "interleaved-1f1b"],
         "pp4/interleaved-runtime": PP4 + ["--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime"],
+        "pp4/zb-auto/interleaved": PP4 + ["--num-virtual-stages-per-pipeline-rank", "2", "--enable-zero-bubble",
+                                          *TIMERS, *NO_ILP],
         "pp4/interleaved-runtime/layers-per-stage": PP4 + ["--num-layers-per-virtual-pipeline-stage", "1",
                                                            "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime"],
         "pp4/zb-v": PP4 + NO_CLIP + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule", dump_v,
@@ -132,6 +134,9 @@ def _runs(work: str) -> dict[str, list[str]]:
             "--zero-bubble-v-schedule", "--zero-bubble-v-schedule-mem-setup", "half",
             "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
         "pp4/interleaved/clip": PP4 + PV_MODEL + ["--pipeline-schedule", "interleaved-1f1b"],
+        "pp4/zb-auto/interleaved/post-validation-exact": PP4 + PV_MODEL + [
+            "--num-virtual-stages-per-pipeline-rank", "2", "--enable-zero-bubble", "--enable-optimizer-post-validation",
+            "--zero-bubble-exact-rollback", *NO_ILP],
         "pp4/interleaved/post-validation-exact": PP4 + PV_MODEL + [
             "--pipeline-schedule", "interleaved-1f1b", "--enable-zb-runtime", "--enable-optimizer-post-validation",
             "--zero-bubble-exact-rollback"],
@@ -413,11 +418,16 @@ def test_zb_v_on_four_ranks_prints_the_losses_of_megatrons_1f1b(runs):
     _same_validation(runs["pp4/zb-v"], runs["pp4/megatron/no-clip"])
 
 
-@pytest.mark.parametrize("run", ["pp4/interleaved-runtime", "pp4/interleaved-runtime/layers-per-stage"])
-def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losses(runs, run):
-    """Two chunks per rank given by the schedule or by megatron's --num-layers-per-virtual-pipeline-stage."""
+@pytest.mark.parametrize("run", ["pp4/interleaved-runtime", "pp4/interleaved-runtime/layers-per-stage",
+                                 "pp4/zb-auto/interleaved"])
+def test_interleaved_schedules_through_the_runtime_print_megatrons_interleaved_losses(runs, run):
+    """Two chunks per rank given by the schedule or by megatron's --num-layers-per-virtual-pipeline-stage; zb-auto
+    over two chunks per rank, re-planned from the measured costs after iteration 4."""
     _same_training(runs[run], runs["pp4/interleaved"])
-    assert "zero-bubble: running interleaved-1f1b" in runs[run]
+    assert validation_losses(runs[run]) == validation_losses(runs["pp4/interleaved"]) != []
+    schedule = "zb-auto" if "zb-auto" in run else "interleaved-1f1b"
+    assert f"zero-bubble: running {schedule} (p=4, m=8, 2 chunks per rank)" in runs[run]
+    assert ("zero-bubble: re-planned zb-auto" in runs[run]) == (schedule == "zb-auto")
     assert "zero-bubble:" not in runs["pp4/interleaved"]
 
 
@@ -425,6 +435,7 @@ def test_interleaved_1f1b_through_the_runtime_prints_megatrons_interleaved_losse
     ("pp4/zb-h1/post-validation", "pp4/megatron/clip"), ("pp4/zb-auto/post-validation-exact", "pp4/megatron/clip"),
     ("pp4/zb-v/post-validation-exact", "pp4/zb-v/clip"), ("pp4/v-half/post-validation-exact", "pp4/zb-v/clip"),
     ("pp4/interleaved/post-validation-exact", "pp4/interleaved/clip"),
+    ("pp4/zb-auto/interleaved/post-validation-exact", "pp4/interleaved/clip"),
 ])
 def test_optimizer_post_validation_prints_megatrons_losses_and_grad_norms_and_counts_rollbacks(runs, run, reference):
     """Exact rollback against megatron's synchronous step on the same layout, digit for digit; the in-place inverse
@@ -740,7 +751,7 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "post-validation with megatron's own schedule": (PP4 + ["--pipeline-schedule", "1f1b", "--enable-optimizer-post-validation"],
                                                      4, ["--enable-optimizer-post-validation", "--pipeline-schedule 1f1b"]),
     "one-chunk schedule with a virtual pipeline": (PP4 + ["--pipeline-schedule", "zb-h2", "--num-virtual-stages-per-pipeline-rank",
-                                                          "2"], 4, ["--pipeline-schedule zb-h2", "one model chunk"]),
+                                                          "2"], 4, ["--pipeline-schedule zb-h2", "one model chunk", "zb-auto"]),
     "runtime flag with PP=1": (["--enable-zb-runtime"], 1, ["--enable-zb-runtime", "--pipeline-model-parallel-size"]),
     "zero-bubble option without a schedule": (PP4 + ["--zero-bubble-max-pending-backward", "4"], 4,
                                               ["--zero-bubble-max-pending-backward", "--enable-zero-bubble"]),

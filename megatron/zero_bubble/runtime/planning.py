@@ -90,7 +90,7 @@ class RankZeroPlanner:
 
     @property
     def layout(self) -> str:
-        return layout_of(self.settings.schedule)
+        return layout_of(self.settings.schedule, self.settings.chunks)
 
     def decide(self, m: int, gathered: list[dict], previous: Schedule | None) -> PlanDecision:
         s = self.settings

@@ -64,7 +64,7 @@ class ReplanningPipeline:
 
     @property
     def layout(self) -> str:
-        return layout_of(self.settings.schedule)
+        return layout_of(self.settings.schedule, self.settings.chunks)
 
     def release(self) -> None:
         self.executor.release()

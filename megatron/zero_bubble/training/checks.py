@@ -11,11 +11,12 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..schedules.planners import PlanRequest, conflicting_options, layout_of, natural_chunks, plan
+from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_options, layout_of, multi_chunk_schedules,
+                                  natural_chunks, plan)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
-from .flags import (DEFAULT_TIMERS, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
+from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
 
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
@@ -248,14 +249,14 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
     _check_conflicts(args, schedule, flag)
     if layout_of(schedule) == "v":
         _check_v_layout(args, vpp, flag)
-    elif layout_of(schedule) == "interleaved":
-        if vpp is not None and vpp < 2:
+    elif vpp is not None and not accepts_chunks(schedule, vpp):
+        if vpp < 2:
             raise StartupRefusal(
                 f"{flag} needs two or more model chunks per rank; drop --num-virtual-stages-per-pipeline-rank 1")
-    elif vpp not in (None, 1):
+        multi = " / ".join(name for name in multi_chunk_schedules() if name in PIPELINE_SCHEDULES)
         raise StartupRefusal(
             f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank / "
-            f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule interleaved-1f1b / zb-v)"
+            f"--num-layers-per-virtual-pipeline-stage (or use --pipeline-schedule {multi})"
         )
     if not _through_runtime(args, schedule):
         _refuse_runtime_only_flags(args, f"{flag} runs megatron's own schedule; add --enable-zb-runtime or drop")

@@ -82,7 +82,7 @@ def _attach_post_validation(session, exact: bool, settings, model, optimizer, sc
         if reason is not None:
             arguments.refuse(f"--enable-optimizer-post-validation: {reason}")
     controller = session.start_post_validation(optimizer, model, exact=exact, scheduler=scheduler,
-                                               layout=layout_of(settings.schedule), chunks=settings.chunks)
+                                               layout=layout_of(settings.schedule, settings.chunks), chunks=settings.chunks)
     _log_on_rank0(f"zero-bubble: optimizer post-validation on ({'exact rollback' if exact else 'in-place inverse'})")
     return controller
 
