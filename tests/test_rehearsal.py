@@ -14,6 +14,9 @@ from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 from megatron.zero_bubble.schedules.post_validation import with_post_validation
 from megatron.zero_bubble.schedules.simulate import simulate
 
+# Every test starts processes: rehearse() one per rank, the others the zb-schedule command.
+pytestmark = pytest.mark.launches
+
 KEYS = {"schedule", "stages", "microbatches", "simulated_makespan", "measured_makespan", "ratio",
         "simulated_bubble_rate", "measured_bubble_rate", "max_pass_lateness", "per_rank"}
 

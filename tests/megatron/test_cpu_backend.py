@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -56,6 +57,7 @@ def _group_count() -> int:
 
 
 @pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
 def core_runs() -> list[dict]:
     if torch.cuda.is_available():
         pytest.skip("the CPU backend refuses CUDA machines")

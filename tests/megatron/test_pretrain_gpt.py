@@ -1,17 +1,16 @@
 """pretrain_gpt.py on CPU: megatron's own training loop with the zero-bubble flags.
 
-Three launches serve every test (megatron's import is the slow part, so each launch runs many runs):
-- one `torchrun --nproc-per-node 4` of this file in driver mode: it imports pretrain_gpt.py and calls its
-  `main()` once per run (command line in sys.argv, megatron's global state destroyed in between, as its
-  in-process restart does), each rank's output captured per run;
-- one process checking every bad flag combination with the entry script's start-up checks, plus one
-  `python pretrain_gpt.py` with bad flags for the real exit path.
+A few launches serve most tests (megatron's import is the slow part, so each launch runs many runs; see
+pretrain_driver.py):
+- one `torchrun --nproc-per-node 4` of the driver: it imports pretrain_gpt.py and calls its `main()` once per
+  run, each rank's output captured per run; a run that fails fails the tests that read it, with its output;
+- one process checking every bad flag combination with the entry script's start-up checks, plus launches of
+  `pretrain_gpt.py` with bad flags for the real exit path.
 The tiny GPT has no dropout, so different layouts of the same weights (--init-weights-by-global-name)
 compute the same losses, and the loss line megatron prints on every iteration must match to the last digit.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,9 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.markers import marks_tests
+from tests.megatron import pretrain_driver as driver
+from tests.megatron.pretrain_driver import REPO
 ITERS = 6
 MODEL = (
     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -160,71 +161,21 @@ def validation_losses(log: str) -> list[str]:
 # ---------------------------------------------------------------- launches (parent side)
 
 
-def _torchrun(nproc: int, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), *args]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def work_dir():
     with tempfile.TemporaryDirectory(prefix="zb_pretrain_") as work:
         yield work
 
 
-class _Background:
-    """A command started now and read later, its stdout and stderr in files (a pipe left unread would block it)."""
-
-    def __init__(self, name: str, command: list[str], work: str, timeout: float):
-        self.command, self.timeout, self.started = command, timeout, time.monotonic()
-        self.paths = [os.path.join(work, f"{name}.{stream}") for stream in ("stdout", "stderr")]
-        with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
-            self.process = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=err)
-
-    def result(self) -> subprocess.CompletedProcess:
-        try:
-            returncode = self.process.wait(timeout=max(1.0, self.started + self.timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise
-        stdout, stderr = (open(path).read() for path in self.paths)
-        return subprocess.CompletedProcess(self.command, returncode, stdout, stderr)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
 @pytest.fixture(scope="module")
-def side_launches(work_dir) -> dict[str, _Background]:
+def side_launches(work_dir) -> dict[str, driver.Background]:
     """The launches that take no timings (the start-up checks, a refusal after megatron's
     import), started before the 4-rank driver: its ranks wait on each other often enough to leave them a core."""
-    cases = os.path.join(work_dir, "cases.json")
-    with open(cases, "w") as f:
-        json.dump({label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}, f)
-
-    def torchrun(nproc: int) -> list[str]:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                str(_free_port()), "pretrain_gpt.py"]
-
+    cases = {label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}
     launches = {
-        "refusals": _Background("refusals", [sys.executable, os.path.abspath(__file__), "refusals", cases], work_dir, 900),
-        "misspelled flag": _Background("misspelled-flag", [*torchrun(2), *BASE, *MISSPELLED], work_dir, 900),
+        "refusals": driver.start_refusals(cases, work_dir, timeout=900),
+        "misspelled flag": driver.Background(
+            "misspelled-flag", driver.torchrun_command(2, ["pretrain_gpt.py", *BASE, *MISSPELLED]), work_dir, 900),
     }
     yield launches
     for launch in launches.values():
@@ -232,62 +183,15 @@ def side_launches(work_dir) -> dict[str, _Background]:
 
 
 @pytest.fixture(scope="module")
-def runs(work_dir, side_launches) -> dict[str, str]:
-    """label -> the combined output of all ranks of that run (4-rank launch of this file as the driver)."""
-    plan = os.path.join(work_dir, "runs.json")
-    with open(plan, "w") as f:
-        json.dump({"runs": _command_lines(work_dir), "out": work_dir}, f)
-    done = _torchrun(4, [os.path.abspath(__file__), "drive", plan], _env(), timeout=900)
-    logs = {}
-    for label in _runs(work_dir):
-        parts = []
-        for rank in range(4):
-            path = os.path.join(work_dir, _log_name(label, rank))
-            if os.path.exists(path):
-                parts.append(open(path).read())
-        logs[label] = "\n".join(parts)
-    assert done.returncode == 0, f"driver failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return logs
-
-
-def _log_name(label: str, rank: int) -> str:
-    return f"{label.replace('/', '_')}.rank{rank}.log"
-
-
-# ---------------------------------------------------------------- driver (rank side, under torchrun)
-
-
-def drive(plan_path: str) -> None:
-    """Run pretrain_gpt.main() once per run of the plan, each rank's output in its own file per run."""
-    sys.path.insert(0, REPO)
-    import pretrain_gpt  # installs the import shims and the CPU backend at import
-    from megatron.training.training import destroy_global_state
-
-    import harness  # beside this file
-
-    plan = json.load(open(plan_path))
-    rank = int(os.environ["RANK"])
-    harness._watch_thread_count()  # the peak during a run counts, not only what is left after it
-    for label, flags in plan["runs"].items():
-        harness._THREAD_PEAK.update(count=0, now=label)
-        sys.argv = ["pretrain_gpt.py", *flags]
-        with open(os.path.join(plan["out"], _log_name(label, rank)), "w") as out, \
-                contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            finished = False
-            try:
-                pretrain_gpt.main()
-                finished = True
-            finally:
-                destroy_global_state()
-                # megatron's destroy drops its groups without closing them: close them, or every run
-                # would leave its gloo threads behind in this process
-                harness.destroy_parallel_state(synchronize=finished)
-                print(f"{THREADS_LINE}{harness.thread_count()}", flush=True)
-                print(f"{PEAK_THREADS_LINE}{harness._THREAD_PEAK['count']}", flush=True)
-
-
-THREADS_LINE = "zero-bubble test driver: threads after the run: "
-PEAK_THREADS_LINE = "zero-bubble test driver: most threads during the run: "
+@marks_tests(pytest.mark.exactness)
+def runs(work_dir, side_launches) -> driver.Runs:
+    """label -> the combined output of all ranks of that run (4-rank launch of the driver); reading a run that
+    did not finish on every rank fails the test with that run's output."""
+    launch = driver.start_driver(_command_lines(work_dir), work_dir, nproc=4, timeout=900)
+    try:
+        return driver.driver_results(launch, list(_runs(work_dir)), work_dir, nproc=4)
+    finally:
+        launch.stop()
 
 
 def test_no_run_leaves_its_process_groups_behind(runs):
@@ -295,46 +199,11 @@ def test_no_run_leaves_its_process_groups_behind(runs):
     held over 1,000 threads by the end."""
     from tests.megatron.harness import MAX_RANK_THREADS
 
-    for line_start in (THREADS_LINE, PEAK_THREADS_LINE):
+    for line_start in (driver.THREADS_LINE, driver.PEAK_THREADS_LINE):
         counts = {label: [int(line[len(line_start):]) for line in log.splitlines() if line.startswith(line_start)]
-                  for label, log in runs.items()}
-        assert all(counts.values()), counts  # every run reported
+                  for label, log in runs.finished().items()}
+        assert counts and all(counts.values()), counts  # every run reported
         assert max(max(c) for c in counts.values()) < MAX_RANK_THREADS, (line_start, counts)
-
-
-def check_refusals(cases_path: str) -> None:
-    """For each case (flags, world size): the one-line refusal of the start-up checks, or null."""
-    sys.path.insert(0, REPO)
-    from megatron.zero_bubble.training.setup import prepare_process
-
-    prepare_process()
-    from megatron.training.arguments import parse_args
-
-    from megatron.zero_bubble.training import arguments
-
-    results = {}
-    for label, (flags, world_size) in json.load(open(cases_path)).items():
-        sys.argv = ["pretrain_gpt.py", *flags]
-        os.environ["WORLD_SIZE"] = str(world_size)
-        try:
-            arguments.check(parse_args(arguments.add_arguments), flags)
-            results[label] = None
-        except arguments.StartupRefusal as refusal:
-            results[label] = str(refusal)
-    print("REFUSALS " + json.dumps(results))
-    # the megatron flags the early checks parse before megatron is imported, as megatron's parser declares them
-    parsers = []
-    sys.argv = ["pretrain_gpt.py"]
-    parse_args(lambda parser: parsers.append(parser) or arguments.add_arguments(parser))
-    theirs = {flag: action for action in parsers[0]._actions for flag in action.option_strings}
-    ours = {flag: action for action in arguments.early_parser()._actions for flag in action.option_strings}
-
-    def declared(action):
-        return None if action is None else [type(action).__name__, action.dest, action.nargs, action.const,
-                                            action.default, getattr(action.type, "__name__", action.type)]
-
-    print("EARLY_FLAGS " + json.dumps({flag: [declared(action), declared(theirs.get(flag))]
-                                       for flag, action in ours.items()}))
 
 
 # ---------------------------------------------------------------- tests: losses
@@ -775,7 +644,7 @@ def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc
     """One error line, printed once (by rank 0), no usage text, no traceback but torchrun's own report."""
     output = done.stdout + done.stderr
     errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
-    assert done.returncode != 0
+    assert done.returncode not in (0, None), output[-3000:]  # None: still running at its deadline
     assert len(errors) == 1, output[-3000:]  # printed once (rank 0), not by every rank
     assert errors[0].startswith("pretrain_gpt.py: error: ") and "(rank " not in errors[0]
     for word in words:
@@ -795,8 +664,9 @@ def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc
 
 
 def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_traceback():
-    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *PP4, "--enable-zero-bubble", "--zero-bubble-v-schedule"],
-                          cwd=REPO, env=dict(_env(), WORLD_SIZE="4"), capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *BASE, *PP4, "--enable-zero-bubble",
+                           "--zero-bubble-v-schedule"], cwd=REPO, env=dict(driver.launch_environment(), WORLD_SIZE="4"),
+                          capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert done.returncode == 2 and len(errors) == 1 and "Traceback" not in done.stderr + done.stdout
     assert "keep one of them" in errors[0] and done.stdout == ""
@@ -815,8 +685,9 @@ def test_torchrun_refuses_bad_flags_in_one_line_on_rank_0_within_seconds(tmp_pat
     a_file = str(tmp_path / "a-regular-file")
     open(a_file, "w").close()
     started = time.monotonic()
-    done = _torchrun(4, ["pretrain_gpt.py", *BASE, *(flag.replace("{file}", a_file) for flag in flags)], _env(),
-                     timeout=120)
+    command = driver.torchrun_command(4, ["pretrain_gpt.py", *BASE, *(f.replace("{file}", a_file) for f in flags)])
+    done = subprocess.run(command, cwd=REPO, env=driver.launch_environment(), capture_output=True, text=True,
+                          timeout=120)
     seconds = time.monotonic() - started
     assert seconds < 30, seconds
     _one_line_refusal(done, words, nproc=4)
@@ -828,14 +699,3 @@ MISSPELLED = ["--pipeline-model-parallel-size", "2", "--num-layer", "8"]  # mega
 def test_torchrun_refuses_a_misspelled_megatron_flag_in_one_line_after_megatrons_import(side_launches):
     """A refusal after each rank has imported megatron (ranks reach it seconds apart): still one line, by rank 0."""
     _one_line_refusal(side_launches["misspelled flag"].result(), ["unrecognized arguments: --num-layer 8"], nproc=2)
-
-
-if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process
-    # (its Manager, holding the queue of write results): it runs no megatron code, so the import shims are
-    # enough; the whole CPU backend would import megatron.training there (seconds per rank, at the first save).
-    sys.path.insert(0, REPO)
-    from megatron.zero_bubble.patches import imports
-
-    imports.install()
-elif __name__ == "__main__" and len(sys.argv) > 2:
-    {"drive": drive, "refusals": check_refusals}[sys.argv[1]](sys.argv[2])
