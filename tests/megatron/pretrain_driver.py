@@ -35,6 +35,7 @@ SECONDS_LINE = "zero-bubble test driver: seconds the run took: "
 STATUS_LINE = "zero-bubble test driver: run "  # + "finished" | "failed on this rank" | "failed on another rank"
 FINISHED = "finished"
 TAIL_CHARS = 4000
+TRACEBACK = "Traceback (most recent call last)"
 
 
 # ---------------------------------------------------------------- parent side
@@ -132,25 +133,33 @@ def driver_results(launch: Background, labels: list[str], work: str, nproc: int)
     driver_tail = f"torchrun {ended}:\n{done.stdout[-TAIL_CHARS // 2:]}\n{done.stderr[-TAIL_CHARS:]}"
     logs, problems, stopped = {}, {}, None
     for label in labels:
-        parts = [open(path).read() for path in (os.path.join(work, log_name(label, rank)) for rank in range(nproc))
-                 if os.path.exists(path)]
-        logs[label] = "\n".join(parts)
+        paths = [os.path.join(work, log_name(label, rank)) for rank in range(nproc)]
+        ranks = [open(path).read() if os.path.exists(path) else "" for path in paths]
+        logs[label] = "\n".join(ranks)
         statuses = [line[len(STATUS_LINE):] for line in logs[label].splitlines() if line.startswith(STATUS_LINE)]
         if stopped is not None:
             problems[label] = f"did not run: the driver stopped during run {stopped!r}"
-        elif not parts or len(statuses) < nproc:
+        elif len(statuses) < nproc:
             stopped = label
             problems[label] = f"did not finish ({len(statuses)} of {nproc} ranks ended it); {driver_tail}\n" \
                               f"its output:\n{logs[label][-TAIL_CHARS:]}"
         elif any(status != FINISHED for status in statuses):
-            problems[label] = f"failed ({', '.join(sorted(set(statuses)))}); its output:\n{_failure_tail(logs[label])}"
+            problems[label] = f"failed:\n{_failure_report(ranks)}"
     return Runs(logs, problems)
 
 
-def _failure_tail(log: str) -> str:
-    """The output from the first traceback on (where a rank failed), else its end."""
-    start = log.find("Traceback (most recent call last)")
-    return log[start:start + TAIL_CHARS] if start >= 0 else log[-TAIL_CHARS:]
+def _failure_report(ranks: list[str]) -> str:
+    """Each rank's error (the last line of its traceback), then the first traceback in full."""
+    errors = [f"rank {rank}: {_error_line(log)}" for rank, log in enumerate(ranks) if TRACEBACK in log]
+    first = next(log for log in ranks if TRACEBACK in log)
+    start = first.index(TRACEBACK)
+    return "\n".join(errors) + "\n" + first[start:start + TAIL_CHARS]
+
+
+def _error_line(log: str) -> str:
+    """The exception line that ends the first traceback of `log`."""
+    lines = log[log.index(TRACEBACK):].splitlines()[1:]
+    return next((line for line in lines if line and not line.startswith((" ", TRACEBACK))), "?")
 
 
 def log_name(label: str, rank: int) -> str:
