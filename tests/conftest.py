@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 
@@ -107,7 +108,9 @@ def pytest_fixture_setup(fixturedef, request):
         failed = " (failed)"
         raise
     finally:
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        plugins = request.config.pluginmanager
+        reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
         if reporter is not None:
             where = request.node.nodeid.split("::")[0]
-            reporter.write_line(f"[{where}] {fixturedef.argname}: {time.monotonic() - start:.0f} s{failed}")
+            with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+                reporter.write_line(f"[{where}] {fixturedef.argname}: {time.monotonic() - start:.0f} s{failed}")
