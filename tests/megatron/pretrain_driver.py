@@ -176,31 +176,31 @@ def drive(plan_path: str) -> None:
     import torch
     from megatron.training.training import destroy_global_state
 
-    import harness  # beside this file
+    from tests.megatron import harness, process_groups
 
     plan = json.load(open(plan_path))
     rank = int(os.environ["RANK"])
     # WORLD before the first run (megatron keeps an initialised one), so that ranks can agree on every run's end
     torch.distributed.init_process_group(harness.rank_device().backend, timeout=datetime.timedelta(minutes=10))
-    harness._watch_thread_count()  # the peak during a run counts, not only what is left after it
+    process_groups.watch_thread_count()  # the peak during a run counts, not only what is left after it
     # What is alive now lives as long as the rank: out of the collector's reach, so that the collections of each run
     # (megatron's, the teardown's) scan only what runs made (a run takes half the time)
     gc.freeze()
     for label, flags in plan["runs"].items():
-        harness._THREAD_PEAK.update(count=0, now=label)
+        process_groups.now_running(label, reset_peak=True)
         sys.argv = ["pretrain_gpt.py", *flags]
         with open(os.path.join(plan["out"], log_name(label, rank)), "w") as out, \
                 contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             started = time.monotonic()
             finished = _run(pretrain_gpt.main)
             if not finished:  # its groups go first: a peer waiting on this rank in one of them fails too
-                _tear_down(destroy_global_state, harness)
+                _tear_down(destroy_global_state, process_groups)
             everywhere = _all_ranks(finished, torch)
             if finished:  # every rank has left the run: no peer is still in a collective on its groups
-                _tear_down(destroy_global_state, harness)
+                _tear_down(destroy_global_state, process_groups)
             gc.freeze()  # what the run imported or cached
-            print(f"{THREADS_LINE}{harness.thread_count()}", flush=True)
-            print(f"{PEAK_THREADS_LINE}{harness._THREAD_PEAK['count']}", flush=True)
+            print(f"{THREADS_LINE}{process_groups.thread_count()}", flush=True)
+            print(f"{PEAK_THREADS_LINE}{process_groups.thread_peak()}", flush=True)
             print(f"{SECONDS_LINE}{time.monotonic() - started:.1f}", flush=True)
             outcome = FINISHED if everywhere else "failed on this rank" if not finished else "failed on another rank"
             print(f"{STATUS_LINE}{outcome}", flush=True)
@@ -217,11 +217,11 @@ def _run(main) -> bool:
         return False
 
 
-def _tear_down(destroy_global_state, harness) -> None:
+def _tear_down(destroy_global_state, process_groups) -> None:
     # megatron's destroy drops its groups without closing them: close them, or every run would leave its gloo
     # threads behind in this process
     destroy_global_state()
-    harness.destroy_parallel_state(synchronize=False)
+    process_groups.destroy_parallel_state(synchronize=False)
 
 
 def _all_ranks(finished: bool, torch) -> bool:

@@ -22,6 +22,7 @@ import pytest
 
 from tests.markers import marks_tests
 from tests.megatron import pretrain_driver as driver
+from tests.megatron import process_groups
 from tests.megatron.pretrain_driver import REPO
 ITERS = 6
 MODEL = (
@@ -187,13 +188,11 @@ def runs(work_dir, side_launches) -> driver.Runs:
 def test_no_run_leaves_its_process_groups_behind(runs):
     """Each rank runs every training run in one process; with the groups of earlier runs left alive a rank
     held over 1,000 threads by the end."""
-    from tests.megatron.harness import MAX_RANK_THREADS
-
     for line_start in (driver.THREADS_LINE, driver.PEAK_THREADS_LINE):
         counts = {label: [int(line[len(line_start):]) for line in log.splitlines() if line.startswith(line_start)]
                   for label, log in runs.finished().items()}
         assert counts and all(counts.values()), counts  # every run reported
-        assert max(max(c) for c in counts.values()) < MAX_RANK_THREADS, (line_start, counts)
+        assert max(max(c) for c in counts.values()) < process_groups.MAX_RANK_THREADS, (line_start, counts)
 
 
 # ---------------------------------------------------------------- tests: losses
