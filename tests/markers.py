@@ -24,6 +24,7 @@ LAUNCHING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spa
 # test's doing, and quick to run.
 LIBRARY_PROBES = frozenset({"fc-list", "uname", "ldconfig", "nvidia-smi", "lsb_release"})
 TEST_PACKAGE = "tests"
+CONSTRUCTION = frozenset({"__new__", "__init__", "__post_init__", "__enter__", "__call__"})
 
 
 def marks_tests(*marks):
@@ -84,8 +85,10 @@ def _launches_through(value, names: set[str], seen: set) -> bool:
         attributes = [getattr(value, name, None) for name in names]
         return any(_is_launcher(a) for a in attributes if isinstance(a, types.ModuleType)) or (
             ours(value) and any(_launches_through(a, names, seen) for a in attributes if a is not None))
-    if inspect.isclass(value) and ours(value):
-        return any(launches_processes(member, seen) for member in vars(value).values() if inspect.isfunction(member))
+    if inspect.isclass(value) and ours(value):  # the methods the code names, and those that making one calls
+        members = [vars(value).get(name) for name in names | CONSTRUCTION]
+        members = [getattr(member, "__func__", member) for member in members if member is not None]  # static methods
+        return any(launches_processes(member, seen) for member in members if inspect.isfunction(member))
     return inspect.isfunction(value) and ours(value) and launches_processes(value, seen)
 
 
