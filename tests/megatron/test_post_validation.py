@@ -15,7 +15,6 @@ from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
-SPEC = ModelSpec()
 # The tiny model's grad norm is 0.5-0.95 over the first iterations: 1000 never clips; 0.6 clips most
 # steps, some after early stages stepped on partial sums below it (rollback), some before (deferred).
 NO_CLIP, CLIP = 1000.0, 0.6

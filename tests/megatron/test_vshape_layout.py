@@ -14,11 +14,7 @@ import pytest
 import torch
 
 from megatron.zero_bubble.patches import PatchError
-from megatron.zero_bubble.patches.vshape_layout import (
-    v_embedding_ranks,
-    v_layer_range,
-    v_stage_roles,
-)
+from megatron.zero_bubble.patches.vshape_layout import v_embedding_ranks, v_layer_range
 from megatron.zero_bubble.schedules.schedule import virtual_stage
 from megatron.zero_bubble.training.init_weights import unwrap
 from tests.markers import marks_tests
@@ -34,6 +30,12 @@ PATCHED_NAMES = ("get_transformer_layer_offset", "get_num_layers_to_build", "is_
 
 
 # ---------------------------------------------------------------- the V rule (no megatron)
+
+
+def v_stage_roles(stages: int, rank: int, chunk: int) -> tuple[bool, bool]:
+    """(first, last) virtual stage of the V, megatron's pre_process / post_process: the V's ends are both on rank 0."""
+    vstage = virtual_stage("v", stages, rank, chunk)
+    return vstage == 0, vstage == 2 * stages - 1
 
 
 @pytest.mark.parametrize("stages", (1, 2, 3, 4))
