@@ -211,14 +211,21 @@ def run_job(cluster: Cluster, tmp_path: Path, timeout_s: float, *args: str, **kn
     return state["JobState"], state.get("ExitCode"), output.read_text() if output.exists() else ""
 
 
+def rank_outputs(tmp_path: Path) -> str:
+    """What every rank printed, from torchrun's per-rank logs (--log-dir): its --tee copy in the job's output can
+    miss a rank's last lines (torchrun stops tailing the logs when the rank exits)."""
+    return "\n".join(path.read_text() for path in sorted((tmp_path / "logs").rglob("stdout.log")))
+
+
 def test_launcher_starts_one_rank_per_node_and_passes_arguments_through_sbatch(slurm_cluster, tmp_path):
     # The toy script stands in for megatron: it prints one loss line per iteration naming every rank's
     # host, and honours the last --train-iters, here the positional one given to sbatch.
     state, exit_code, output = run_job(slurm_cluster, tmp_path, 120, "--train-iters", "3", PP="2",
                                        TRAIN_ITERS="7", TRAIN_SCRIPT=str(TOY_SCRIPT))
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    losses = re.findall(r"iteration (\d+)/3 \| lm loss: (\S+) \| hosts: (\S+)", output)
-    assert [int(i) for i, _, _ in losses] == [1, 2, 3], output
+    printed = rank_outputs(tmp_path)
+    losses = re.findall(r"iteration (\d+)/3 \| lm loss: (\S+) \| hosts: (\S+)", printed)
+    assert [int(i) for i, _, _ in losses] == [1, 2, 3], output + printed
     assert {hosts for _, _, hosts in losses} == {"mzb-n1,mzb-n2"}  # rank 0 on node 1, rank 1 on node 2
 
 
@@ -226,8 +233,9 @@ def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(slurm_clust
     state, exit_code, output = run_job(slurm_cluster, tmp_path, 240, PP="2", TRAIN_ITERS="5",
                                        SCHEDULE="zb-h1", LR="1e-3")
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    assert "using world size: 2" in output and "pipeline-model-parallel size: 2" in output, output
-    assert re.search(r"zero-bubble.*zb-h1", output), "the zero-bubble schedule did not run:\n" + output
-    iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", output)
-    assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output
+    printed = rank_outputs(tmp_path)
+    assert "using world size: 2" in printed and "pipeline-model-parallel size: 2" in printed, output + printed
+    assert re.search(r"zero-bubble.*zb-h1", printed), "the zero-bubble schedule did not run:\n" + output + printed
+    iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", printed)
+    assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output + printed
     assert all(0 < float(loss) < 10 for _, loss in iterations)  # ln(128) = 4.85 at the start
