@@ -5,6 +5,7 @@ slow part); the parent compares the reports with torch.equal.
 """
 import dataclasses
 import functools
+import statistics
 import time
 
 import pytest
@@ -280,9 +281,10 @@ def test_megatron_alone_buckets_only_the_first_stage(reports):
 
 def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):
     """Rank 0's forwards take 0.2 s longer, so rank 1 waits about that long for each activation: the time the
-    executor reports for rank 1's passes (what re-planning plans on) is its compute, not that wait."""
+    executor reports for rank 1's passes (what re-planning plans on) is its compute, not that wait. Medians of the
+    four passes of each kind: a wait would lengthen them all, a loaded machine stalls one now and then."""
     for report in reports["pp2/zb-h1/timed"]:
-        seconds = {op: max(e[4] for e in report["events"] if e[1] == op) for op in ("F", "B", "W")}
+        seconds = {op: statistics.median(e[4] for e in report["events"] if e[1] == op) for op in ("F", "B", "W")}
         if report["pp_rank"] == 0:
             assert seconds["F"] >= 0.2
         else:
