@@ -66,6 +66,32 @@ def _missing_requirements(items) -> dict[str, str]:
     return missing
 
 
+# ---------------------------------------------------------------- launches started early
+
+
+_BACKGROUND: list = []  # launches started when the tests were collected, stopped at the session's end
+
+
+def pytest_collection_finish(session):
+    """Start what the selected tests' fixtures can start ahead (markers.starts_in_background), so that it runs while
+    the tests before them do (the 2-core machines' second core is often idle then)."""
+    if session.config.option.collectonly:
+        return
+    starts = {}
+    for item in session.items:
+        for fixture in _fixture_functions(item):
+            if getattr(fixture, "background_start", None) is not None:
+                starts.setdefault(fixture.background_start, None)
+    factory = session.config._tmp_path_factory  # pytest's own, as the tmp_path_factory fixture hands it out
+    for start in starts:
+        _BACKGROUND.extend(start(factory))
+
+
+def pytest_sessionfinish(session):
+    while _BACKGROUND:
+        _BACKGROUND.pop().stop()
+
+
 # ---------------------------------------------------------------- no unmarked process starts
 
 

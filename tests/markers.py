@@ -38,6 +38,19 @@ def marks_tests(*marks):
     return decorate
 
 
+def starts_in_background(start):
+    """Decorates a fixture function (beneath @pytest.fixture) whose launches may run beside other tests:
+    `start(tmp_path_factory) -> [launch with .stop()]` is called by conftest.py once the tests are collected, if a
+    selected test uses the fixture (the fixture then finds them started); whatever it started is stopped at the
+    session's end."""
+
+    def decorate(function):
+        function.background_start = start
+        return function
+
+    return decorate
+
+
 # ---------------------------------------------------------------- reading the code
 
 

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.markers import marks_tests
+from tests.markers import marks_tests, starts_in_background
 from tests.megatron import pretrain_driver as driver
 from tests.megatron import process_groups
 from tests.megatron.pretrain_driver import REPO
@@ -152,37 +152,65 @@ def validation_losses(log: str) -> list[str]:
 # ---------------------------------------------------------------- launches (parent side)
 
 
+# This session's launches, each started once: by conftest.py as soon as the tests are collected, if a selected test
+# needs it (markers.starts_in_background: they run while the tests before this module do), else by its fixture.
+_STARTED: dict = {}
+
+
+def _work(tmp_path_factory) -> str:
+    """The runs' checkpoints, dumps and per-rank logs (pytest keeps the last few sessions' for a look afterwards)."""
+    if "work" not in _STARTED:
+        _STARTED["work"] = str(tmp_path_factory.mktemp("pretrain"))
+    return _STARTED["work"]
+
+
+def _start_side_launches(tmp_path_factory) -> list[driver.Background]:
+    """The launches that take no timings: the start-up checks, a refusal after megatron's import."""
+    if "side" not in _STARTED:
+        work = _work(tmp_path_factory)
+        cases = {label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}
+        _STARTED["side"] = {
+            "refusals": driver.start_refusals(cases, work, timeout=900),
+            "misspelled flag": driver.Background(
+                "misspelled-flag", driver.torchrun_command(2, ["pretrain_gpt.py", *BASE, *MISSPELLED]), work, 900),
+        }
+    return list(_STARTED["side"].values())
+
+
+def _start_driver(tmp_path_factory) -> list[driver.Background]:
+    """The 4-rank driver with every run of `_runs`."""
+    if "driver" not in _STARTED:
+        work = _work(tmp_path_factory)
+        _STARTED["driver"] = driver.start_driver(_command_lines(work), work, nproc=4, timeout=900)
+    return [_STARTED["driver"]]
+
+
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory) -> str:
-    """The runs' checkpoints, dumps and per-rank logs (pytest keeps the last few sessions' for a look afterwards)."""
-    return str(tmp_path_factory.mktemp("pretrain"))
+    yield _work(tmp_path_factory)
+    _STARTED.pop("work", None)
 
 
 @pytest.fixture(scope="module")
-def side_launches(work_dir) -> dict[str, driver.Background]:
-    """The launches that take no timings (the start-up checks, a refusal after megatron's
-    import), started before the 4-rank driver: its ranks wait on each other often enough to leave them a core."""
-    cases = {label: ((case[3] if len(case) > 3 else BASE) + case[0], case[1]) for label, case in REFUSALS.items()}
-    launches = {
-        "refusals": driver.start_refusals(cases, work_dir, timeout=900),
-        "misspelled flag": driver.Background(
-            "misspelled-flag", driver.torchrun_command(2, ["pretrain_gpt.py", *BASE, *MISSPELLED]), work_dir, 900),
-    }
-    yield launches
-    for launch in launches.values():
+@starts_in_background(_start_side_launches)
+def side_launches(tmp_path_factory, work_dir) -> dict[str, driver.Background]:
+    _start_side_launches(tmp_path_factory)
+    yield _STARTED["side"]
+    for launch in _STARTED.pop("side").values():
         launch.stop()
 
 
 @pytest.fixture(scope="module")
+@starts_in_background(_start_driver)
 @marks_tests(pytest.mark.exactness)
-def runs(work_dir, side_launches) -> driver.Runs:
+def runs(tmp_path_factory, work_dir, side_launches) -> driver.Runs:
     """label -> the combined output of all ranks of that run (4-rank launch of the driver); reading a run that
     did not finish on every rank fails the test with that run's output."""
-    launch = driver.start_driver(_command_lines(work_dir), work_dir, nproc=4, timeout=900)
+    (launch,) = _start_driver(tmp_path_factory)
     try:
         return driver.driver_results(launch, list(_runs(work_dir)), work_dir, nproc=4)
     finally:
-        launch.stop()
+        _STARTED.pop("driver").stop()
 
 
 def test_no_run_leaves_its_process_groups_behind(runs):
