@@ -23,6 +23,10 @@ from tests import markers
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
 def pytest_collection_modifyitems(items):
+    # the modules whose launches start in the background go last: the other tests run beside those launches
+    late = {item.module for item in items
+            if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
+    items.sort(key=lambda item: getattr(item, "module", None) in late)
     missing = _missing_requirements(items)
     for item in items:
         for fixture in _fixture_functions(item):
