@@ -9,6 +9,8 @@
 - cuda, transformer_engine: skipped, with the reason, where CUDA or Transformer Engine is missing.
 - exactness: runs compared number for number; CI runs them again under a second instruction set (.ci/run). A
   fixture hands its marks to every test using it (markers.marks_tests).
+Launches a fixture can start ahead (markers.starts_in_background) start once the tests are collected, if a selected
+test needs them, and their module runs last: the rest of the suite runs beside them.
 """
 from __future__ import annotations
 
