@@ -72,3 +72,32 @@ def test_the_guard_lets_a_librarys_own_probes_pass():
     assert markers.ProcessGuard._describe_popen(None, ["fc-list", "--format=%{file}"]) is None
     assert markers.ProcessGuard._describe_popen(None, "uname -p") is None
     assert markers.ProcessGuard._describe_popen(None, ["python", "-c", "1"]) is not None
+
+
+def test_tests_that_need_cuda_or_transformer_engine_skip_with_the_reason_where_it_is_missing(pytester):
+    """conftest.py's marks in a session of their own (in this process): each test runs where its requirement is met
+    and is skipped, saying what is missing, where it is not."""
+    import importlib.util
+
+    import torch
+
+    pytester.makeconftest("from tests.conftest import *  # noqa: F401,F403 (this suite's hooks)")
+    pytester.makepyfile(test_needs="""
+        import pytest
+
+        @pytest.mark.cuda
+        def test_on_cuda():
+            import torch
+            assert torch.cuda.is_available()
+
+        @pytest.mark.transformer_engine
+        def test_with_transformer_engine():
+            import transformer_engine  # noqa: F401
+    """)
+    result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider")
+    have = {"cuda": torch.cuda.is_available(), "te": importlib.util.find_spec("transformer_engine") is not None}
+    result.assert_outcomes(passed=sum(have.values()), skipped=2 - sum(have.values()))
+    if not have["cuda"]:
+        result.stdout.fnmatch_lines(["*needs CUDA (torch.cuda.is_available() is False here)*"])
+    if not have["te"]:
+        result.stdout.fnmatch_lines(["*needs Transformer Engine (transformer_engine is not installed)*"])
