@@ -1,55 +1,148 @@
-"""Suite-wide: the `slow` and `exactness` markers, and a line per process launch.
+"""Suite-wide markers by what a test does (pytest.ini declares them), and a line per launching fixture.
 
-Tests that need a fixture in LAUNCHING_FIXTURES (spawned gloo ranks, torchrun, a SLURM cluster) and every
-test of a module in LAUNCHING_MODULES are marked `slow` here; other tests that launch ranks themselves
-carry `@pytest.mark.slow`. `pytest -m "not slow"` runs the rest (planning, schedules, CLI, patches in one
-process). Each launching fixture prints one line
-when it is done (how long it took), so a long run shows where it is beyond pytest's dots.
+- launches: the test starts processes (forked gloo ranks, torchrun, SLURM jobs, a CLI in a subprocess). Found from
+  the code (tests/markers.py reads the test, its fixtures and the test suite's functions they name); a test that
+  starts processes through code of the project or a library carries @pytest.mark.launches itself. A test that
+  starts a process without the mark fails (markers.ProcessGuard, during its set-up and its run).
+- slow: every launching test, and tests marked slow by hand for their time. `-m "not slow"` is the quick subset:
+  planning, schedules, the CLI and the patches in one process, no process started.
+- cuda, transformer_engine: skipped, with the reason, where CUDA or Transformer Engine is missing.
+- exactness: runs compared number for number; CI runs them again under a second instruction set (.ci/run). A
+  fixture hands its marks to every test using it (markers.marks_tests).
+Launches a fixture can start ahead (markers.starts_in_background) start once the tests are collected, if a selected
+test needs them, and their module runs last: the rest of the suite runs beside them.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import time
 
 import pytest
 
-LAUNCHING_FIXTURES = frozenset({
-    "core_runs",  # tests/megatron/test_cpu_backend.py: 4 forked ranks, every core layout
-    "reports",  # test_runtime_exactness.py, test_post_validation.py: 4 forked ranks, every case
-    "v_run",  # test_vshape_layout.py: 2 and 4 forked ranks
-    "spawned",  # test_wgrad_split.py: 2 forked ranks
-    "runs", "refusals",  # test_pretrain_gpt.py: torchrun and python launches
-    "slurm_cluster",  # tests/slurm: a local SLURM cluster and its jobs
-})
-
-# Modules whose tests start torchrun or the training script one by one (seconds to minutes each).
-LAUNCHING_MODULES = frozenset({"tests/megatron/test_pretrain_gpt.py"})
-
-# Fixtures whose runs the tests compare number for number (torch.equal, or megatron's printed losses to the last
-# digit), and modules that do so in-process: the `exactness` marker, which CI runs a second time under another
-# instruction set (.ci/run), since kernels of another vector width sum in another order.
-EXACTNESS_FIXTURES = frozenset({"core_runs", "reports", "v_run", "spawned", "runs"})
-EXACTNESS_MODULES = frozenset({"tests/test_optimizer_rollback.py"})
+from tests import markers
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
 def pytest_collection_modifyitems(items):
+    # the modules whose launches start in the background go last: the other tests run beside those launches
+    late = {item.module for item in items
+            if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
+    items.sort(key=lambda item: getattr(item, "module", None) in late)
+    missing = _missing_requirements(items)
     for item in items:
-        module = item.nodeid.split("::")[0]
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if module in LAUNCHING_MODULES or LAUNCHING_FIXTURES & fixtures:
+        for fixture in _fixture_functions(item):
+            for mark in getattr(fixture, "marks_tests", ()):
+                item.add_marker(mark)
+        if item.get_closest_marker("launches") is None and _launches(item):
+            item.add_marker(pytest.mark.launches)
+        if item.get_closest_marker("launches") is not None:
             item.add_marker(pytest.mark.slow)
-        if module in EXACTNESS_MODULES or EXACTNESS_FIXTURES & fixtures:
-            item.add_marker(pytest.mark.exactness)
+        for name, reason in missing.items():
+            if item.get_closest_marker(name) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_fixture_setup(fixturedef, request):
-    if fixturedef.argname not in LAUNCHING_FIXTURES:
-        yield
+def _fixture_functions(item) -> list:
+    """The functions of every fixture the test uses (directly or through other fixtures)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    functions = [definitions[-1].func for definitions in info.name2fixturedefs.values() if definitions]
+    return [function for function in functions if markers.ours(function)]
+
+
+def _launches(item) -> bool:
+    seen: set = set()
+    function = getattr(item, "function", None)
+    return any(markers.launches_processes(f, seen) for f in [function, *_fixture_functions(item)] if f is not None)
+
+
+def _missing_requirements(items) -> dict[str, str]:
+    """{marker: why its tests skip} for the requirements this machine lacks (torch is imported only if asked)."""
+    missing = {}
+    if any(item.get_closest_marker("cuda") for item in items):
+        import torch
+
+        if not torch.cuda.is_available():
+            missing["cuda"] = "needs CUDA (torch.cuda.is_available() is False here)"
+    if any(item.get_closest_marker("transformer_engine") for item in items):
+        if importlib.util.find_spec("transformer_engine") is None:
+            missing["transformer_engine"] = "needs Transformer Engine (transformer_engine is not installed)"
+    return missing
+
+
+# ---------------------------------------------------------------- launches started early
+
+
+_BACKGROUND: list = []  # launches started when the tests were collected, stopped at the session's end
+
+
+def pytest_collection_finish(session):
+    """Start what the selected tests' fixtures can start ahead (markers.starts_in_background), so that it runs while
+    the tests before them do (the 2-core machines' second core is often idle then)."""
+    if session.config.option.collectonly:
         return
+    starts = {}
+    for item in session.items:
+        for fixture in _fixture_functions(item):
+            if getattr(fixture, "background_start", None) is not None:
+                starts.setdefault(fixture.background_start, None)
+    factory = session.config._tmp_path_factory  # pytest's own, as the tmp_path_factory fixture hands it out
+    for start in starts:
+        _BACKGROUND.extend(start(factory))
+
+
+def pytest_sessionfinish(session):
+    while _BACKGROUND:
+        _BACKGROUND.pop().stop()
+
+
+# ---------------------------------------------------------------- no unmarked process starts
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
+
+
+def _guarded(item):
+    """Run the phase; without the `launches` mark, under the guard (teardown is not guarded: a fixture that stops
+    a cluster may run a command at the end of any test of its module)."""
+    if item.get_closest_marker("launches") is not None:
+        return (yield)
+    guard = markers.ProcessGuard()
+    with guard.active():
+        result = yield
+    if guard.refused:
+        raise markers.ProcessNotMarked("; ".join(guard.refused))
+    return result
+
+
+# ---------------------------------------------------------------- progress of long fixtures
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """One line per launching fixture when it is done (how long it took), so a long run shows where it is."""
+    if not (markers.ours(fixturedef.func) and markers.launches_processes(fixturedef.func)):
+        return (yield)
     start = time.monotonic()
-    outcome = yield
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        failed = " (failed)" if outcome.excinfo is not None else ""
-        where = request.node.nodeid.split("::")[0]
-        reporter.write_line(f"[{where}] {fixturedef.argname}: {time.monotonic() - start:.0f} s{failed}")
+    failed = ""
+    try:
+        return (yield)
+    except BaseException:
+        failed = " (failed)"
+        raise
+    finally:
+        plugins = request.config.pluginmanager
+        reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+        if reporter is not None:
+            where = request.node.nodeid.split("::")[0]
+            with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+                reporter.write_line(f"[{where}] {fixturedef.argname}: {time.monotonic() - start:.0f} s{failed}")

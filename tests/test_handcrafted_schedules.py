@@ -3,7 +3,6 @@
 Times are multiples of 1/4 (exact in binary), so simulated bubbles compare with == where the paper promises
 an exact value. Bubble = the paper's measure (each rank's span from its own first to its own last pass).
 """
-import importlib.util
 
 import pytest
 
@@ -11,8 +10,7 @@ from megatron.zero_bubble.schedules import Costs, ScheduleError, simulate, valid
 from megatron.zero_bubble.schedules.baselines import interleaved_one_f_one_b, one_f_one_b
 from megatron.zero_bubble.schedules.handcrafted import zb_h1, zb_h2
 
-# The send/receive lowering (comm.py) is checked by validate() once it exists.
-CHECK_COMM = importlib.util.find_spec("megatron.zero_bubble.schedules.comm") is not None
+# validate() also proves the send/receive lowering (comm.py) deadlock-free: check_comm is on by default.
 STAGES = range(2, 9)
 
 
@@ -105,12 +103,12 @@ def test_peak_memory_per_stage_matches_the_paper(p):
 def test_memory_limits_p_for_zb_h1_and_2p_minus_1_for_zb_h2_hold_and_are_tight(p):
     costs = uniform(p, 1, 1, 1, m_f=1.0, m_w=1.0)  # worst case: B keeps everything for W
     for m in (1, p, 3 * p):
-        validate(zb_h1(p, m), costs, memory_limit=p, check_comm=CHECK_COMM)
-        validate(zb_h2(p, m), costs, memory_limit=2 * p - 1, check_comm=CHECK_COMM)
+        validate(zb_h1(p, m), costs, memory_limit=p)
+        validate(zb_h2(p, m), costs, memory_limit=2 * p - 1)
     with pytest.raises(ScheduleError, match="above its limit"):
-        validate(zb_h1(p, 3 * p), costs, memory_limit=p - 1, check_comm=CHECK_COMM)
+        validate(zb_h1(p, 3 * p), costs, memory_limit=p - 1)
     with pytest.raises(ScheduleError, match="above its limit"):
-        validate(zb_h2(p, 3 * p), costs, memory_limit=2 * p - 2, check_comm=CHECK_COMM)
+        validate(zb_h2(p, 3 * p), costs, memory_limit=2 * p - 2)
 
 
 # --- validity and form ---------------------------------------------------------------------------------
@@ -120,7 +118,7 @@ def test_all_single_chunk_schedules_validate_for_every_microbatch_count(p):
     costs = uniform(p, 1, 1.5, 0.75)
     for m in range(1, 3 * p + 1):
         for schedule in (one_f_one_b(p, m), zb_h1(p, m), zb_h2(p, m)):
-            validate(schedule, costs, check_comm=CHECK_COMM)
+            validate(schedule, costs)
 
 
 @pytest.mark.parametrize("build, name", [(zb_h1, "zb-h1"), (zb_h2, "zb-h2")])
@@ -164,7 +162,7 @@ def test_interleaved_validates_and_cuts_the_1f1b_bubble_by_the_chunk_count(p):
     for m in (p, 2 * p, 3 * p):
         one_f = simulate(one_f_one_b(p, m), uniform(p, t, t, t)).bubble_time
         for c in (2, 3, 4):
-            timeline = validate(interleaved_one_f_one_b(p, m, c), chunked(p, c, t), check_comm=CHECK_COMM)
+            timeline = validate(interleaved_one_f_one_b(p, m, c), chunked(p, c, t))
             assert timeline.bubble_time == (p - 1) * 3 * t / c < one_f
 
 
@@ -187,7 +185,7 @@ def test_interleaved_warmup_is_megatrons(p, m, c):
 
 
 def test_interleaved_accepts_a_group_size_whose_remainder_is_at_least_p():
-    validate(interleaved_one_f_one_b(4, 10, 2, group_size=6), chunked(4, 2), check_comm=CHECK_COMM)
+    validate(interleaved_one_f_one_b(4, 10, 2, group_size=6), chunked(4, 2))
 
 
 @pytest.mark.parametrize(

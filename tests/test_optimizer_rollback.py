@@ -24,6 +24,8 @@ from megatron.zero_bubble.runtime.optimizer_rollback import (
 SIZES = (3072, 2000, 1000)
 HINT = "use --zero-bubble-exact-rollback."
 
+pytestmark = pytest.mark.exactness  # in-process, number for number: CI runs it again (.ci/run)
+
 
 # -- ulp measures -------------------------------------------------------------------------------------------
 def _ordered_bits(x: torch.Tensor) -> torch.Tensor:

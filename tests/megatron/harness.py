@@ -4,33 +4,32 @@ Parent side (no megatron import unless asked for):
     spawn(scenario, world_size, *args, timeout=..., start_method="spawn", **kwargs) -> [result of each rank]
     preload_megatron(training=False)   import megatron once here, then spawn(..., start_method="fork")
                                        saves every rank the multi-second import
+    run_cases(run_case, cases, world_size) -> {label: [each rank's report]}   every case in one group of ranks
     merge_by_dp_rank(results) -> {dp_rank: {"losses": {mb: float}, "grads": {name: tensor}, ...}}
+    assert_identical(ours, reference)  torch.equal of losses, gradients and parameters per data-parallel replica
 Rank side (inside a scenario; the CPU backend is installed by `spawn` before the scenario starts):
-    init_parallel_state(tp, pp, vpp, seed)           megatron parallel state (re-initialisable); groups of
-                                                      the previous one are reused or destroyed
-    destroy_parallel_state()                         megatron's destroy, then every process group but WORLD
-    thread_count() -> int                            this process's threads (each gloo group holds three)
+    init_parallel_state(tp, pp, vpp, seed) / destroy_parallel_state()   see process_groups.py
     build_gpt_chunks(spec, init_seed) -> [GPTModel]   one per virtual stage held here, weights set
                                                       deterministically by global parameter name
     mock_microbatch(index, spec) -> batch dict        same batch for the same global microbatch index
     run_forward_backward(chunks, spec, m, first_microbatch, forward_step_func) -> {mb: loss}
     wrap_in_ddp(chunks, ddp_config) / make_optimizer(chunks, optimizer_config)
     full_grads(chunks) / full_params(chunks) -> {global name: full (TP-gathered) tensor}
-    run_layout(layout, spec, num_microbatches, ...) -> this rank's report (the usual whole scenario step)
+    Case, CaseRun(case)        one training case: the zero-bubble session, parallel state, model, DDP,
+                               optimizer, iterations and the report (what the test modules run)
+    run_layout(layout, spec, num_microbatches, ...) -> this rank's report of one iteration
+The device and process-group backend of every rank: rank_device(), in one place.
 
 Global parameter names count transformer layers over the whole model ("decoder.layers.<global>."), so
 PP, VPP and TP layouts of the same `ModelSpec` hold identical weights and can be compared tensor by tensor.
-
-Process groups: megatron's `destroy_model_parallel` only drops its references; a gloo group keeps its
-two worker threads and its TCP-loop thread until `torch.distributed.destroy_process_group(group)` and the
-last reference to it are gone. `init_parallel_state` reuses the previous groups where megatron asks for the
-same ones and destroys the rest, so a rank holds one layout's groups at a time (about 75 threads). Every
-spawned rank watches its thread count and raises if it reached MAX_RANK_THREADS at any time (checked at
-the end of its scenario and after each case of `run_cases`), so a leak fails the test that causes it.
+Every spawned rank watches its thread count (process_groups.py): a leak of process groups fails the test that
+causes it, at the end of its scenario and after each case of `run_cases`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import socket
@@ -42,8 +41,15 @@ from typing import Callable
 import torch
 import torch.multiprocessing
 
+from tests.megatron.process_groups import (
+    check_thread_count,
+    destroy_parallel_state,
+    init_parallel_state,
+    now_running,
+    watch_thread_count,
+)
+
 DEFAULT_TIMEOUT_S = 180.0
-MAX_RANK_THREADS = 100  # a rank with one layout's groups holds about 75; each leaked layout adds about 60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,23 @@ class Layout:
     ep: int = 1  # expert model parallel (MoE specs), carved out of data parallel
 
 
+# ---------------------------------------------------------------- where ranks run
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Where a rank computes and how ranks talk: chosen in one place (`rank_device`)."""
+
+    type: str  # torch device type of the model chunks and batches
+    backend: str  # torch.distributed backend of every process group
+    cpu_backend: bool  # megatron-core runs there only with patches/cpu_backend.py installed
+
+
+def rank_device() -> Device:
+    """The CPU, gloo and the CPU backend (ranks on a GPU are issue 21's)."""
+    return Device("cpu", "gloo", cpu_backend=True)
+
+
 # ---------------------------------------------------------------- parent side: processes and results
 
 
@@ -98,7 +121,7 @@ def free_port() -> int:
 
 
 def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
-          cpu_backend: bool = True, start_method: str = "spawn", **kwargs) -> list:
+          start_method: str = "spawn", **kwargs) -> list:
     """Run `scenario(*args, **kwargs)` on `world_size` spawned ranks joined by a gloo process group.
 
     `scenario` must be a module-level function (it is pickled by name). Returns the per-rank return
@@ -113,7 +136,7 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
     with tempfile.TemporaryDirectory(prefix="zb_harness_") as result_dir:
         context = torch.multiprocessing.start_processes(
             _rank_main,
-            args=(world_size, free_port(), result_dir, cpu_backend, scenario, args, kwargs),
+            args=(world_size, free_port(), result_dir, scenario, args, kwargs),
             nprocs=world_size,
             join=False,
             start_method=start_method,
@@ -145,20 +168,21 @@ def preload_megatron(training: bool = False) -> None:
         importlib.import_module("megatron.training.training")
 
 
-def _rank_main(rank, world_size, port, result_dir, cpu_backend, scenario, args, kwargs):
+def _rank_main(rank, world_size, port, result_dir, scenario, args, kwargs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), CUDA_DEVICE_MAX_CONNECTIONS="1")
     torch.set_num_threads(1)  # ranks share a few cores; more threads only contend
-    if cpu_backend:
-        from megatron.zero_bubble.patches import cpu_backend as backend
+    device = rank_device()
+    if device.cpu_backend:
+        from megatron.zero_bubble.patches import cpu_backend
 
-        backend.install()
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        cpu_backend.install()
+    torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
     # Everything imported so far lives as long as the rank: out of the collector's reach, so that the
     # gc.collect() of each destroy_parallel_state scans only what the scenarios made (seconds -> ms).
     gc.freeze()
-    _THREAD_PEAK["now"] = scenario.__name__
-    _watch_thread_count()
+    now_running(scenario.__name__)
+    watch_thread_count()
     finished = False
     try:  # an exception reaches the parent with its traceback through torch.multiprocessing
         result = scenario(*args, **kwargs)
@@ -185,51 +209,11 @@ def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float =
 def _run_cases_on_rank(run_case: Callable, cases: list) -> dict:
     reports = {}
     for case in cases:
-        _THREAD_PEAK["now"] = f"case {case.label!r}"
+        now_running(f"case {case.label!r}")
         reports[case.label] = run_case(case)
         gc.collect()  # what the case left in reference cycles goes now; what holds threads after that leaks
         check_thread_count(f"case {case.label!r} on rank {torch.distributed.get_rank()}")
     return reports
-
-
-def thread_count() -> int:
-    """Threads of this process now (Linux: /proc; elsewhere the Python threads only)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        import threading
-
-        return threading.active_count()
-
-
-# The most threads a spawned rank has held so far and where: sampled every few ms by a thread of its own
-# (_watch_thread_count), so that a short-lived excess (groups made before the old ones go) counts too.
-_THREAD_PEAK: dict = {"count": 0, "where": None, "now": "start-up"}
-
-
-def _watch_thread_count(interval_s: float = 0.005) -> None:
-    import threading
-
-    def watch():
-        while True:
-            count = thread_count()
-            if count > _THREAD_PEAK["count"]:
-                _THREAD_PEAK.update(count=count, where=_THREAD_PEAK["now"])
-            time.sleep(interval_s)
-
-    threading.Thread(target=watch, name="zb_thread_watch", daemon=True).start()
-
-
-def check_thread_count(where: str, limit: int = MAX_RANK_THREADS) -> int:
-    """Raise if this process holds `limit` threads or more now, or held that many at any sample of the
-    watcher (leaked or doubled process groups); returns the count now."""
-    count = thread_count()
-    if count >= limit:
-        raise RuntimeError(f"{count} threads after {where} (limit {limit}): process groups were left alive")
-    if _THREAD_PEAK["count"] >= limit:
-        raise RuntimeError(f"{_THREAD_PEAK['count']} threads during {_THREAD_PEAK['where']} (limit {limit}, "
-                           f"checked after {where}): process groups were left alive")
-    return count
 
 
 def merge_by_dp_rank(results: list[dict]) -> dict[int, dict]:
@@ -261,160 +245,6 @@ def assert_identical(ours: list[dict], reference: list[dict], replicas=None, los
 
 
 # ---------------------------------------------------------------- rank side: megatron set-up
-
-
-# The groups megatron's current parallel state was built from: {new_group's arguments and occurrence: group}.
-_LAYOUT_GROUPS: dict[tuple, object] = {}
-
-
-def init_parallel_state(tp: int = 1, pp: int = 1, vpp: int | None = None, seed: int = 1234, ep: int = 1) -> None:
-    """(Re)initialise megatron's model-parallel groups and RNG tracker; dp = world_size / (tp * pp), of which
-    `ep` ranks hold different experts of MoE layers.
-
-    Megatron's state is built afresh each time, but a process group that the new state asks for with the
-    same arguments as the previous one (same ranks, backend, description, ...) is handed back instead of
-    made again. At the first group that differs the previous groups not yet handed back are destroyed, and
-    at the end every other group but WORLD. So a rank holds one layout's groups at a time, and a run of
-    scenarios on the same layout creates none after the first.
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    dist = torch.distributed
-    _release_training_cycles()
-    gc.collect()  # the previous scenario's model, DDP and optimizer (cycles) let go of its groups
-    _destroy_megatron_state()
-    reusable, made = dict(_LAYOUT_GROUPS), {}
-    _LAYOUT_GROUPS.clear()
-    new_group = dist.new_group
-
-    def new_or_reused_group(*args, **kwargs):
-        key = _group_key(args, kwargs)
-        key += (sum(1 for made_key in made if made_key[:-1] == key),)  # the same arguments twice: two groups
-        group = reusable.pop(key, None)
-        if group not in (None, dist.GroupMember.NON_GROUP_MEMBER) and group not in dist.distributed_c10d._world.pg_map:
-            # Only its members could tell (and they would make it anew alone): refuse rather than hang.
-            raise RuntimeError("a process group of the previous parallel state was destroyed outside the harness "
-                               "(megatron's destroy_model_parallel?): call harness.destroy_parallel_state() instead")
-        if group is None and reusable:
-            # Another layout: destroy the rest of the previous one before making groups (all ranks get here
-            # at the same call), so that a rank never holds two layouts' groups at once.
-            reusable.clear()  # first: a group's threads end with its last reference
-            _destroy_groups(keep={id(g) for g in made.values()})
-        made[key] = group if group is not None else new_group(*args, **kwargs)
-        return made[key]
-
-    dist.new_group = new_or_reused_group  # megatron's create_group looks it up at each call
-    try:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-            expert_model_parallel_size=ep,
-        )
-    finally:
-        dist.new_group = new_group
-        _LAYOUT_GROUPS.update(made)
-    _destroy_groups(keep={id(group) for group in made.values()})
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def destroy_parallel_state(synchronize: bool = True) -> None:
-    """Megatron's destroy_model_parallel, then destroy every process group but WORLD (megatron's, and any
-    other made since: they are all in torch's group map).
-
-    With `synchronize` all ranks first meet at a barrier on WORLD, so that no rank closes a group's
-    connections while a peer is still in a collective on it; every rank must then call this together.
-    """
-    _destroy_megatron_state()
-    _release_training_cycles()
-    _LAYOUT_GROUPS.clear()
-    _destroy_groups(keep=set(), synchronize=synchronize)
-
-
-# The callables megatron's training loop stores on the model's TransformerConfig.
-_CONFIG_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
-                     "finalize_model_grads_func")
-
-
-def _release_training_cycles() -> None:
-    """Break a reference cycle the garbage collector cannot see, so a finished run's groups can go.
-
-    With --use-distributed-optimizer: config.grad_scale_func -> optimizer -> its shard views of the
-    parameters (tensors with a grad_fn) -> C++ autograd nodes -> DDP's grad hooks -> model -> config. The
-    C++ edges are invisible to gc, so the model, optimizer and their process groups would live on.
-    With MoE: an MoE token dispatcher keeps its last forward's routing probabilities (`probs`, a tensor with
-    a grad_fn) -> C++ autograd nodes -> the router weight's grad hook (DDP) -> model -> dispatcher.
-    """
-    import sys
-
-    transformer_config = sys.modules.get("megatron.core.transformer.transformer_config")
-    if transformer_config is None:
-        return
-    token_dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
-    dispatcher_type = getattr(token_dispatcher, "MoETokenDispatcher", ())
-    for obj in gc.get_objects():
-        if isinstance(obj, transformer_config.TransformerConfig):
-            for name in _CONFIG_CALLBACKS:
-                if getattr(obj, name, None) is not None:
-                    object.__setattr__(obj, name, None)
-        elif isinstance(obj, dispatcher_type):
-            for name, value in list(vars(obj).items()):
-                if torch.is_tensor(value) and value.grad_fn is not None:
-                    setattr(obj, name, None)
-
-
-def _destroy_megatron_state() -> None:
-    """megatron's destroy_model_parallel, except that it may not destroy groups (the harness does)."""
-    import sys
-
-    parallel_state = sys.modules.get("megatron.core.parallel_state")  # never import megatron just for this
-    if parallel_state is None:
-        return
-    if parallel_state.model_parallel_is_initialized():
-        destroy_process_group = torch.distributed.destroy_process_group
-        torch.distributed.destroy_process_group = lambda group=None: None  # it destroys its gloo DP groups itself
-        try:
-            parallel_state.destroy_model_parallel()
-        finally:
-            torch.distributed.destroy_process_group = destroy_process_group
-    # megatron-core 0.19.2's destroy forgets a few globals (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]):
-    # a group referenced there outlives its destroy, threads and all
-    for name, value in list(vars(parallel_state).items()):
-        if name.isupper() and isinstance(value, torch.distributed.ProcessGroup):
-            setattr(parallel_state, name, None)
-    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
-    if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
-        moe_logging.destroy_moe_metrics_tracker()
-
-
-def _group_key(args: tuple, kwargs: dict) -> tuple:
-    import inspect
-
-    bound = inspect.signature(torch.distributed.distributed_c10d.new_group).bind(*args, **kwargs)
-    key = []
-    for name, value in sorted(bound.arguments.items()):
-        if name == "pg_options" and value is not None:
-            value = object()  # options compare by identity: never reused
-        key.append((name, tuple(value) if isinstance(value, (list, range)) else value))
-    return tuple(key)
-
-
-def _destroy_groups(keep: set[int], synchronize: bool = True) -> None:
-    """Destroy every process group in torch's map but WORLD and those whose id() is in `keep`."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if synchronize:  # on every rank: whether a rank holds groups to destroy depends on its rank
-        dist.barrier()
-    groups = [group for group in dist.distributed_c10d._world.pg_map
-              if group is not dist.GroupMember.WORLD and id(group) not in keep]
-    if not groups:
-        return
-    while groups:  # popped, so that no reference outlives the loop
-        dist.destroy_process_group(groups.pop())
-    # A gloo group's threads end with its C++ object, when the last reference goes: the model, DDP buffers
-    # and optimizer of a scenario hold some in reference cycles, some freed only by a later collection
-    # (post-validation with overlapped reduction: one that the first collection's finalizers let go).
-    while gc.collect():
-        pass
 
 
 def transformer_config(spec: ModelSpec, **overrides):
@@ -571,32 +401,187 @@ def full_params(chunks: list) -> dict[str, torch.Tensor]:
 
 
 def run_layout(layout: Layout, spec: ModelSpec, num_microbatches: int, *, ddp: bool = False,
-               optimizer_step: bool = False, shard_data: bool | None = None, init_seed: int = 0) -> dict:
-    """Initialise `layout`, build the model, run one forward-backward (+ optional step); this rank's report.
+               optimizer_step: bool = False, shard_data: bool | None = None) -> dict:
+    """Initialise `layout`, build the model, run one forward-backward (+ optional Adam step); this rank's report.
 
     With `shard_data` (default: `ddp`) data-parallel replica r runs microbatches [r*m, (r+1)*m);
     otherwise every replica runs [0, m). The report has dp_rank, losses, grads, params (at the end, so
     after the step if there is one) and grad_norm (None without a step); merge with `merge_by_dp_rank`.
     """
-    from megatron.core import parallel_state
+    case = Case("layout", layout, spec=spec, microbatches=num_microbatches, ddp=ddp,
+                optimizer="adam" if optimizer_step else None, shard_data=ddp if shard_data is None else shard_data)
+    with CaseRun(case) as run:
+        run.iteration(0)
+        grad_norm = None
+        if optimizer_step:
+            success, grad_norm, _ = run.step()
+            assert success, "optimizer step was skipped"
+        return run.report(grad_norm=None if grad_norm is None else float(grad_norm))
 
-    init_parallel_state(layout.tp, layout.pp, layout.vpp, ep=layout.ep)
-    chunks = build_gpt_chunks(spec, init_seed)
-    if ddp:
-        chunks = wrap_in_ddp(chunks)
-    optimizer = make_optimizer(chunks) if optimizer_step else None
-    if optimizer is not None:
-        optimizer.zero_grad()
-    dp_rank = parallel_state.get_data_parallel_rank()
-    first = dp_rank * num_microbatches if (ddp if shard_data is None else shard_data) else 0
-    report = {"dp_rank": dp_rank, "losses": run_forward_backward(chunks, spec, num_microbatches, first),
-              "grads": full_grads(chunks), "grad_norm": None}
-    if optimizer is not None:
-        success, grad_norm, _ = optimizer.step()
-        assert success, "optimizer step was skipped"
-        report["grad_norm"] = float(grad_norm)
-    report["params"] = full_params(chunks)
-    return report
+
+# ---------------------------------------------------------------- rank side: one training case
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One training run that `CaseRun` sets up on every rank; a test module's cases may add fields of their own."""
+
+    label: str
+    layout: Layout
+    schedule: str | None = None  # a planner's name, run by our executor; None: megatron-core's own schedule
+    spec: ModelSpec = ModelSpec()
+    microbatches: int = 8
+    steps: int = 1  # iterations, each followed by an optimizer step where there is an optimizer
+    optimizer: str | None = None  # megatron's "adam" or "sgd" (over DDP), "local" (torch Adam per rank, no DDP)
+    ddp: bool = False  # megatron DDP without a megatron optimizer (one implies it)
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    distributed: bool = False  # megatron's distributed optimizer
+    overlap: bool = False  # DDP's overlapped reduction in small buckets (distributed: overlapped parameter gathers)
+    every_stage_buckets: bool = False  # patches/ddp_bucketing.py buckets every stage (megatron: the first only)
+    shard_data: bool = False  # data-parallel replica r trains on microbatches of its own; else all on the same
+    forward_only: bool = False
+    post_validation: bool = False  # the plan has post-validation's V and S passes
+    costs: tuple | None = None  # (T_F, T_B, T_W per virtual stage, T_comm) to plan on (see `planned`); None: unit
+    dropout: float = 0.0  # hidden dropout
+    per_token: bool = False  # --calculate-per-token-loss (gpt_forward_step_per_token): gradients divided by tokens
+
+    @property
+    def megatron_optimizer(self) -> bool:
+        return self.optimizer in ("adam", "sgd")
+
+
+BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that their reductions can start apart
+
+
+@functools.lru_cache(maxsize=None)
+def planned(name: str, stages: int, microbatches: int, costs: tuple | None = None, post_validation: bool = False):
+    """Schedule `name` as its planner makes it (ILP off). `costs` as in `Case`: a plan of n virtual stages takes
+    the last n entries of each tuple."""
+    from megatron.zero_bubble.schedules import Costs
+    from megatron.zero_bubble.schedules.planners import PlanRequest, natural_chunks, plan
+
+    if costs is not None:
+        n = stages * natural_chunks(name)
+        t_f, t_b, t_w, t_comm = costs
+        costs = Costs.make(n, t_f=t_f[-n:], t_b=t_b[-n:], t_w=t_w[-n:], t_comm=t_comm, chunks=natural_chunks(name))
+    return plan(name, PlanRequest(stages=stages, microbatches=microbatches, costs=costs, ilp_time_limit=0,
+                                  post_validation=post_validation))
+
+
+class CaseRun:
+    """`case` on this rank: the zero-bubble session, megatron's parallel state, the model (DDP) and optimizer,
+    then the iterations the test module drives:
+
+        with CaseRun(case) as run:       # run.session, run.chunks, run.optimizer built
+            for step in range(case.steps):
+                run.iteration(step)      # gradients zeroed, forward-backward on this replica's microbatches
+                run.step()               # the optimizer's: megatron's (update_successful, grad_norm, zeros)
+            return run.report()          # dp/pp/tp rank, losses {(step, microbatch)}, grads (last step), params
+
+    `observer` sees every pass of our executor; `forward_step` replaces `gpt_forward_step`.
+    """
+
+    def __init__(self, case: Case, observer: Callable | None = None, forward_step: Callable | None = None):
+        self.case, self.observer = case, observer
+        self.forward_step = forward_step or (gpt_forward_step_per_token if case.per_token else gpt_forward_step)
+        self.losses, self.grads = {}, {}
+        self._exit = contextlib.ExitStack()
+
+    def __enter__(self) -> "CaseRun":
+        from megatron.zero_bubble.schedules.planners import layout_of
+        from megatron.zero_bubble.training.session import ZeroBubbleSession
+
+        case = self.case
+        plans = None
+        if case.schedule is not None:
+            plans = functools.partial(_plan_for_microbatches, case)
+        v_stages = case.layout.pp if case.schedule is not None and layout_of(case.schedule) == "v" else None
+        if v_stages is not None:  # the V placement must be in place before the groups are made
+            destroy_parallel_state()
+        self.session = self._exit.enter_context(ZeroBubbleSession(
+            schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.every_stage_buckets, observer=self.observer))
+        try:
+            init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
+            self.chunks = build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout,
+                                           calculate_per_token_loss=case.per_token)
+            self.ddp = case.ddp or case.megatron_optimizer
+            if self.ddp:
+                self.chunks = wrap_in_ddp(self.chunks, _ddp_config(case))
+            self.optimizer = _optimizer(case, self.chunks)
+        except BaseException:
+            self._exit.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._exit.close()
+
+    def iteration(self, step: int, keep_grads: bool = True) -> dict[int, float]:
+        """Zero the gradients, run forward-backward on this step's microbatches; returns its losses, and keeps them
+        and (with `keep_grads`, unless forward only) the full gradients (an all-gather over TP ranks)."""
+        from megatron.core import parallel_state
+
+        case, m = self.case, self.case.microbatches
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+            for chunk in self.chunks if self.ddp else ():
+                chunk.zero_grad_buffer()
+        first = step * m
+        if case.shard_data:
+            first = (step * parallel_state.get_data_parallel_world_size() + parallel_state.get_data_parallel_rank()) * m
+        losses = run_forward_backward(self.chunks, case.spec, m, first, forward_step_func=self.forward_step,
+                                      forward_only=case.forward_only)
+        self.losses.update({(step, k): v for k, v in losses.items()})
+        if keep_grads and not case.forward_only:
+            self.grads = full_grads(self.chunks)
+        return losses
+
+    def step(self) -> tuple:
+        """The optimizer's step: megatron's (update_successful, grad_norm, num_zeros); a local one's (True, None,
+        None)."""
+        if self.case.optimizer == "local":
+            self.optimizer.step()
+            return True, None, None
+        return self.optimizer.step()
+
+    def report(self, **extras) -> dict:
+        """This rank's ranks, losses, last gradients and parameters (gathered first under overlapped parameter
+        gathers), and `extras`."""
+        from megatron.core import parallel_state
+
+        if self.case.overlap and self.case.distributed:  # the last step's parameters, gathered
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+        return {"dp_rank": parallel_state.get_data_parallel_rank(),
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "losses": self.losses, "grads": self.grads, "params": full_params(self.chunks), **extras}
+
+
+def _plan_for_microbatches(case: Case, microbatches: int):
+    return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation)
+
+
+def _ddp_config(case: Case):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        use_distributed_optimizer=case.distributed, overlap_grad_reduce=case.overlap,
+        overlap_param_gather=case.overlap and case.distributed, bucket_size=BUCKET_ELEMENTS if case.overlap else None)
+
+
+def _optimizer(case: Case, chunks: list):
+    if case.optimizer is None:
+        return None
+    if case.optimizer == "local":  # each rank's own torch Adam: no reduction whose order depends on the layout
+        return torch.optim.Adam([p for chunk in chunks for p in chunk.parameters()], lr=1e-3)
+    from megatron.core.optimizer import OptimizerConfig
+
+    settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
+    return make_optimizer(chunks, OptimizerConfig(
+        optimizer=case.optimizer, weight_decay=case.weight_decay, clip_grad=case.clip_grad,
+        use_distributed_optimizer=case.distributed, **settings))
 
 
 # ---------------------------------------------------------------- helpers

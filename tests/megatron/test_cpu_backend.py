@@ -13,7 +13,8 @@ import types
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.markers import marks_tests
+from tests.megatron import harness, process_groups
 from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec(num_layers=8)  # 8 layers so that PP=4 x VPP=2 holds one layer per chunk
@@ -45,9 +46,9 @@ def run_core_layouts() -> dict[str, dict]:
     reports, threads = {}, []
     for name, run in runs.items():
         reports[name] = run()
-        threads.append((name, _group_count(), harness.thread_count()))
+        threads.append((name, _group_count(), process_groups.thread_count()))
     harness.destroy_parallel_state()
-    threads.append(("destroyed", _group_count(), harness.thread_count()))
+    threads.append(("destroyed", _group_count(), process_groups.thread_count()))
     return {"layouts": reports, "threads": threads}
 
 
@@ -56,6 +57,7 @@ def _group_count() -> int:
 
 
 @pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
 def core_runs() -> list[dict]:
     if torch.cuda.is_available():
         pytest.skip("the CPU backend refuses CUDA machines")
@@ -77,15 +79,15 @@ def test_every_layout_leaves_only_its_own_process_groups_and_their_threads(core_
         assert groups_left == 1  # WORLD only
         groups = [count for _, count, _ in layouts]  # 22 to 24 with megatron-core 0.19, by layout
         assert min(groups) > 10 and max(groups) < 2 * min(groups)  # never two layouts' groups at once
-        assert max(threads for _, _, threads in layouts) < harness.MAX_RANK_THREADS
+        assert max(threads for _, _, threads in layouts) < process_groups.MAX_RANK_THREADS
         assert threads_left < 20
 
 
 def test_the_harness_refuses_a_rank_that_ends_with_too_many_threads():
-    count = harness.thread_count()
-    assert count >= 1 and harness.check_thread_count("probe", limit=count + 1) == count
+    count = process_groups.thread_count()
+    assert count >= 1 and process_groups.check_thread_count("probe", limit=count + 1) == count
     with pytest.raises(RuntimeError, match=f"{count} threads after probe .*process groups were left alive"):
-        harness.check_thread_count("probe", limit=count)
+        process_groups.check_thread_count("probe", limit=count)
 
 
 def assert_same_tensors(actual: dict, expected: dict, exact: bool = True, atol: float = 0.0, rtol: float = 0.0) -> None:

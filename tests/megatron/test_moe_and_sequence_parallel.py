@@ -11,12 +11,13 @@ One spawned group of 4 ranks runs every scenario in turn; the parent compares th
 - Sequence parallelism at TP=2 x PP=2 (the CPU backend's norm): zb-h1 / zb-auto against megatron's 1F1B with
   the same flags, and the same function as without sequence parallelism (within rounding).
 """
+import contextlib
 import dataclasses
-import functools
 
 import pytest
 import torch
 
+from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -28,25 +29,15 @@ MOE_ALLGATHER = dataclasses.replace(MOE, moe_token_dispatcher_type="allgather")
 MOE_METRIC = "load_balancing_loss"
 
 
-@functools.lru_cache(maxsize=None)
-def _schedule(name: str, stages: int, microbatches: int):
-    from megatron.zero_bubble.schedules.planners import PlanRequest, plan
-
-    return plan(name, PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0))
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    label: str
-    layout: Layout
-    schedule: str | None  # None: megatron-core's own schedule
-    spec: ModelSpec
-    microbatches: int = 4
-    steps: int = 3
-    optimizer: str = "megatron"  # megatron's (DDP, Adam, clipping) or "local": torch Adam per rank, no DDP
+def _case(label: str, layout: Layout, schedule: str | None, spec: ModelSpec, optimizer: str = "adam") -> harness.Case:
+    """Three steps of 4 microbatches with megatron's Adam (DDP, clipping), each data-parallel replica on data of its
+    own, or with a "local" torch Adam per rank (no DDP), every replica on the same data."""
+    return harness.Case(label, layout, schedule, spec, microbatches=4, steps=3, optimizer=optimizer,
+                        shard_data=optimizer != "local")
 
 
-def _deferred_weights(chunks) -> tuple[set, callable]:
+@contextlib.contextmanager
+def _deferred_weights(chunks):
     """Global names of the weights whose gradient a B pass handed to a WeightGradStore (their W deferred)."""
     from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
 
@@ -58,60 +49,26 @@ def _deferred_weights(chunks) -> tuple[set, callable]:
         return defer(store, work)
 
     WeightGradStore.defer = recording_defer
-    return deferred, lambda: setattr(WeightGradStore, "defer", defer)
+    try:
+        yield deferred
+    finally:
+        WeightGradStore.defer = defer
 
 
-def _run_case(case: Case) -> dict:
-    from megatron.core import parallel_state
+def _run_case(case: harness.Case) -> dict:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    from megatron.zero_bubble.training.session import ZeroBubbleSession
-
-    plans = None if case.schedule is None else (lambda mbs: _schedule(case.schedule, case.layout.pp, mbs))
-    v_stages = case.layout.pp if case.schedule == "zb-v" else None
-    if v_stages is not None:  # the V placement must be in place before the groups are made
-        harness.destroy_parallel_state()
-    with ZeroBubbleSession(schedule_for=plans, v_stages=v_stages):
-        harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
-        chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
-        if case.optimizer == "megatron":
-            chunks = harness.wrap_in_ddp(chunks)
-            optimizer = harness.make_optimizer(chunks)
-        else:
-            optimizer = torch.optim.Adam([p for c in chunks for p in c.parameters()], lr=1e-3)
+    with harness.CaseRun(case) as run:
         tracker = get_moe_metrics_tracker()
-        deferred, stop_recording = _deferred_weights(chunks)
-        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        shard = case.optimizer == "megatron"  # DDP replicas train on different data; local ones on the same
-        m, losses = case.microbatches, {}
-        try:
+        with _deferred_weights(run.chunks) as deferred:
             for step in range(case.steps):
-                optimizer.zero_grad()
-                first = (step * dp_size + dp_rank) * m if shard else step * m
-                step_losses = harness.run_forward_backward(chunks, case.spec, m, first)
-                losses.update({(step, k): v for k, v in step_losses.items()})
-                grads = harness.full_grads(chunks)  # the last step's gradients
-                first_grads = first_grads if step else grads
-                if case.optimizer == "megatron":
-                    success, _, _ = optimizer.step()
-                    assert success
-                else:
-                    optimizer.step()
-        finally:
-            stop_recording()
+                run.iteration(step)
+                if step == 0:
+                    first_grads = run.grads
+                assert run.step()[0]
         metric = tracker.metrics.get(MOE_METRIC)
-        return {
-            "dp_rank": dp_rank,
-            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "losses": losses,
-            "grads": grads,
-            "first_grads": first_grads,
-            "params": harness.full_params(chunks),
-            "moe_metric": None if metric is None else metric.values.clone(),
-            "deferred": deferred,
-            "norms": _norm_weights(chunks),
-        }
+        return run.report(first_grads=first_grads, moe_metric=None if metric is None else metric.values.clone(),
+                          deferred=deferred, norms=_norm_weights(run.chunks))
 
 
 def _norm_weights(chunks) -> dict:
@@ -120,24 +77,25 @@ def _norm_weights(chunks) -> dict:
             if "norm" in name}
 
 
-def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES, **kwargs) -> list[Case]:
-    return [Case(f"{prefix}/megatron", layout, None, spec, **kwargs),
-            *(Case(f"{prefix}/{s}", layout, s, spec, **kwargs) for s in schedules)]
+def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES, **kwargs) -> list[harness.Case]:
+    return [_case(f"{prefix}/megatron", layout, None, spec, **kwargs),
+            *(_case(f"{prefix}/{s}", layout, s, spec, **kwargs) for s in schedules)]
 
 
 CASES = [
     *_cases("moe/pp4", Layout(pp=4), MOE, schedules=("1f1b",) + ZB_SCHEDULES),  # 1f1b: megatron's, through the runtime
     *_cases("moe/pp2xep2", Layout(pp=2, ep=2), MOE),
     *_cases("moe-allgather/pp2xep2", Layout(pp=2, ep=2), MOE_ALLGATHER, schedules=("zb-h1",)),
-    Case("moe/pp1", Layout(), None, MOE, optimizer="local"),
-    Case("moe/pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", MOE, optimizer="local"),
+    _case("moe/pp1", Layout(), None, MOE, optimizer="local"),
+    _case("moe/pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", MOE, optimizer="local"),
     *_cases("sp/tp2xpp2", Layout(tp=2, pp=2), SP, schedules=("zb-h1", "zb-auto")),
-    Case("tp2xpp2/megatron", Layout(tp=2, pp=2), None, ModelSpec()),
+    _case("tp2xpp2/megatron", Layout(tp=2, pp=2), None, ModelSpec()),
     *_cases("moe-sp/tp2xpp2", Layout(tp=2, pp=2), MOE_SP, schedules=("zb-h1",)),
 ]
 
 
 @pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 

@@ -4,16 +4,17 @@ One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP
 PP=2 x EP=2): several iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B
 schedule and synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
 """
+import contextlib
 import dataclasses
-import functools
 
 import pytest
 import torch
 
+from megatron.zero_bubble.schedules.planners import layout_of
+from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
-SPEC = ModelSpec()
 # The tiny model's grad norm is 0.5-0.95 over the first iterations: 1000 never clips; 0.6 clips most
 # steps, some after early stages stepped on partial sums below it (rollback), some before (deferred).
 NO_CLIP, CLIP = 1000.0, 0.6
@@ -22,149 +23,104 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    label: str
-    layout: Layout
-    post_validation: bool
-    clip: float = NO_CLIP
+class Case(harness.Case):
+    """Several iterations of zb-h1 (or `schedule`) with post-validation, or of megatron's own schedule (None) with its
+    synchronous step; Adam (or SGD) with weight decay over megatron DDP."""
+
+    microbatches: int = 8
+    steps: int = 6
+    optimizer: str = "adam"
+    weight_decay: float = 0.01
+    clip_grad: float = NO_CLIP
     exact: bool = False
     inject: tuple[int, int] | None = None  # (iteration, pipeline stage) that gets an inf gradient
-    iterations: int = 6
-    microbatches: int = 8
-    dropout: float = 0.0
-    optimizer: str = "adam"
-    distributed: bool = False  # megatron's distributed optimizer (sharded over data-parallel ranks)
-    spec: ModelSpec = SPEC
-    schedule: str = "zb-h1"  # with post-validation; the synchronous reference is megatron's own where it has one
-    overlap: bool = False  # megatron DDP's overlapped reduction (and, distributed, parameter gathers), small buckets
-    shard_data: bool = False  # data-parallel replicas train on different microbatches (else all on the same)
-    per_token: bool = False  # --calculate-per-token-loss: gradients divided by the tokens of the global batch
 
 
-V_SCHEDULES = ("zb-v", "v-half")  # megatron has no V: their synchronous reference is our executor's
+def _case(label: str, layout: Layout, post_validation: bool, schedule: str = "zb-h1", **settings) -> Case:
+    """With post-validation our executor runs `schedule`; without it megatron's own schedule is the synchronous
+    reference where megatron has one (V schedules: ours without the V and S passes). Overlapped reduction buckets
+    every stage on both sides: the distributed optimizer's shards (and its norm's sum) follow the buckets."""
+    if not post_validation and layout_of(schedule) != "v":
+        schedule = None
+    return Case(label, layout, schedule, post_validation=post_validation,
+                every_stage_buckets=settings.get("overlap", False), **settings)
 
 
-@functools.lru_cache(maxsize=None)
-def _schedule(name, stages, microbatches, post_validation):
-    from megatron.zero_bubble.schedules.planners import PlanRequest, plan
-
-    request = PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0, post_validation=post_validation)
-    return plan(name, request)
-
-
-def _record_collectives(log: list):
+@contextlib.contextmanager
+def _recorded_collectives(log: list):
     """Wrap torch.distributed's collectives so that each call logs the global ranks of its group."""
     import torch.distributed as dist
 
-    originals = {}
-    for name in COLLECTIVES:
-        original = getattr(dist, name)
-
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    for name, original in originals.items():
         def recorded(*args, _original=original, _name=name, **kwargs):
             group = kwargs.get("group")
             log.append((_name, tuple(dist.get_process_group_ranks(group)) if group is not None else
                         tuple(range(dist.get_world_size()))))
             return _original(*args, **kwargs)
 
-        originals[name] = original
         setattr(dist, name, recorded)
-    return originals
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
-def _restore(originals: dict) -> None:
-    import torch.distributed as dist
+@contextlib.contextmanager
+def _inf_injected(chunks, active: bool):
+    """With `active`: an inf in the first gradient once the gradients are final, before the step sees them."""
+    config = chunks[0].config
+    finalize = config.finalize_model_grads_func
 
-    for name, original in originals.items():
-        setattr(dist, name, original)
+    def finalize_then_inject_inf(*args, **kwargs):
+        finalize(*args, **kwargs)
+        next(p for p in chunks[0].parameters()).main_grad.view(-1)[0] = float("inf")
 
-
-def _finalize_then_inject_inf(finalize, chunks, *args, **kwargs):
-    finalize(*args, **kwargs)
-    next(p for p in chunks[0].parameters()).main_grad.view(-1)[0] = float("inf")
+    if active:
+        config.finalize_model_grads_func = finalize_then_inject_inf
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = finalize
 
 
 def _run_case(case: Case) -> dict:
-    from megatron.zero_bubble.training.session import ZeroBubbleSession
-
-    v_shape = case.schedule in V_SCHEDULES
-    ours = case.post_validation or v_shape  # else megatron's own schedule is the synchronous reference
-    plans = (lambda m: _schedule(case.schedule, case.layout.pp, m, case.post_validation)) if ours else None
-    # every stage bucketed on both sides: the distributed optimizer's shards (and its norm's sum) follow buckets
-    session = ZeroBubbleSession(schedule_for=plans, v_stages=case.layout.pp if v_shape else None,
-                                bucket_every_stage=case.overlap)
-    if v_shape:  # the V placement must be in place before the groups are made
-        harness.destroy_parallel_state()
-    with session:
-        return _train(case, session)
-
-
-def _train(case: Case, session) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.zero_bubble.schedules.planners import layout_of
 
-    harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=case.distributed, overlap_grad_reduce=case.overlap,
-        overlap_param_gather=case.overlap and case.distributed, bucket_size=12_000 if case.overlap else None)
-    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout,
-                                                          calculate_per_token_loss=case.per_token), ddp_config)
-    settings = dict(lr=1e-3) if case.optimizer == "adam" else dict(lr=0.05, sgd_momentum=0.9)
-    optimizer = harness.make_optimizer(chunks, OptimizerConfig(
-        optimizer=case.optimizer, weight_decay=0.01, clip_grad=case.clip, use_distributed_optimizer=case.distributed,
-        **settings))
-    stage = parallel_state.get_pipeline_model_parallel_rank()
-    stage_of_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(stage_of_rank, stage)
-    controller = None
-    if case.post_validation:
-        controller = session.start_post_validation(optimizer, chunks, exact=case.exact, layout=layout_of(case.schedule),
-                                                   chunks=len(chunks))
-    losses, step_collectives, outcomes, grad_norms = {}, [], [], []
-    m = case.microbatches
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    for it in range(case.iterations):
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        injected = case.inject is not None and case.inject[0] == it
-        config = chunks[0].config
-        finalize = config.finalize_model_grads_func
-        if injected and case.inject[1] == stage:  # once the gradients are final, before the step sees them
-            config.finalize_model_grads_func = functools.partial(_finalize_then_inject_inf, finalize, chunks)
-        originals = _record_collectives(step_collectives)  # the S pass takes the statistics in there
-        try:
-            first = (it * dp_size + dp_rank) * m if case.shard_data else it * m
-            step_losses = harness.run_forward_backward(chunks, case.spec, m, first, forward_step_func=(
-                harness.gpt_forward_step_per_token if case.per_token else harness.gpt_forward_step))
-        finally:
-            config.finalize_model_grads_func = finalize
-            _restore(originals)
-        losses.update({(it, k): v for k, v in step_losses.items()})
-        if controller is not None and controller.last_outcome is not None and it > 0:
-            outcomes.append(dataclasses.asdict(controller.last_outcome))  # the verdict on step it-1
-        if injected and not case.post_validation:
-            continue  # the synchronous reference skips this step
-        originals = _record_collectives(step_collectives)
-        try:
-            grad_norms.append(optimizer.step()[1])
-        finally:
-            _restore(originals)
-    if controller is not None:
-        controller.flush()
-        outcomes.append(dataclasses.asdict(controller.last_outcome))
-    for chunk in chunks if ddp_config.overlap_param_gather else ():  # the last step's parameters, gathered
-        chunk.start_param_sync(force_sync=True)
-    tied = None
-    if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
-        tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
-    return {"pp_rank": stage, "dp_rank": dp_rank, "losses": losses, "grads": {}, "tied": tied,
-            "params": harness.full_params(chunks), "collectives": step_collectives,
-            "stage_of_rank": stage_of_rank, "outcomes": outcomes, "grad_norms": grad_norms,
-            "rollbacks": controller.rollbacks if controller is not None else 0, **_moe_state(case, chunks),
-            "statistics_groups": [block.ranks for block in controller.blocks] if controller is not None else None}
+    with harness.CaseRun(case) as run:
+        chunks, optimizer = run.chunks, run.optimizer
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        stage_of_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(stage_of_rank, stage)
+        controller = None
+        if case.post_validation:
+            controller = run.session.start_post_validation(optimizer, chunks, exact=case.exact,
+                                                           layout=layout_of(case.schedule), chunks=len(chunks))
+        step_collectives, outcomes, grad_norms = [], [], []
+        for it in range(case.steps):
+            injected = case.inject is not None and case.inject[0] == it
+            with _inf_injected(chunks, injected and case.inject[1] == stage), _recorded_collectives(step_collectives):
+                run.iteration(it, keep_grads=False)  # the S pass takes the statistics in there
+            if controller is not None and controller.last_outcome is not None and it > 0:
+                outcomes.append(dataclasses.asdict(controller.last_outcome))  # the verdict on step it-1
+            if injected and not case.post_validation:
+                continue  # the synchronous reference skips this step
+            with _recorded_collectives(step_collectives):
+                grad_norms.append(run.step()[1])
+        if controller is not None:
+            controller.flush()
+            outcomes.append(dataclasses.asdict(controller.last_outcome))
+        tied = None
+        if case.spec.tie_embeddings and (parallel_state.is_pipeline_first_stage()
+                                         or parallel_state.is_pipeline_last_stage()):
+            tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
+        return run.report(
+            grads={}, tied=tied, collectives=step_collectives, stage_of_rank=stage_of_rank, outcomes=outcomes,
+            grad_norms=grad_norms, rollbacks=controller.rollbacks if controller is not None else 0,
+            statistics_groups=[block.ranks for block in controller.blocks] if controller is not None else None,
+            **_moe_state(case, chunks))
 
 
 def _moe_state(case: Case, chunks) -> dict:
@@ -190,60 +146,62 @@ MOE = ModelSpec(num_experts=4, moe_router_topk=2, add_bias_linear=False, moe_opt
     ("moe_z_loss_coeff", 1e-3), ("moe_router_score_function", "sigmoid"), ("moe_router_enable_expert_bias", True)))
 MOE_CASES = {"moe/pp4": (PP4, False), "moe/pp2xep2": (PP2XEP2, False), "moe/pp2xep2/distributed": (PP2XEP2, True)}
 CASES = [
-    Case("pp4/sync", PP4, False),
-    Case("pp4/pv", PP4, True),
-    Case("pp4/sync/inf", PP4, False, inject=(2, 1)),
-    Case("pp4/sync/inf/3", PP4, False, inject=(2, 1), iterations=3),
-    Case("pp4/pv/inf/3", PP4, True, inject=(2, 1), iterations=3),
-    Case("pp4/pv/inf/exact", PP4, True, exact=True, inject=(2, 1)),
-    Case("pp4/sync/clip", PP4, False, clip=CLIP, iterations=10, dropout=0.1),
-    Case("pp4/pv/clip", PP4, True, clip=CLIP, iterations=10, dropout=0.1),
-    Case("pp4/pv/clip/exact", PP4, True, clip=CLIP, exact=True, iterations=10, dropout=0.1),
-    Case("pp4/sync/clip/sgd", PP4, False, clip=CLIP, iterations=10, optimizer="sgd"),
-    Case("pp4/pv/clip/sgd", PP4, True, clip=CLIP, iterations=10, optimizer="sgd"),
-    Case("pp2/sync/clip", PP2, False, clip=CLIP),
-    Case("pp2/pv/clip/exact", PP2, True, clip=CLIP, exact=True),
-    Case("pp2/pv", PP2, True),
-    Case("pp2/sync", PP2, False),
-    Case("tp2xpp2/sync", TP2, False),
-    Case("tp2xpp2/pv", TP2, True),
-    Case("tp2xpp2/sync/clip", TP2, False, clip=CLIP),
-    Case("tp2xpp2/pv/clip/exact", TP2, True, clip=CLIP, exact=True),
-    Case("pp2/distributed/sync/clip", PP2, False, clip=CLIP, distributed=True),
-    Case("pp2/distributed/pv/clip/exact", PP2, True, clip=CLIP, exact=True, distributed=True),
-    Case("pp4/pv/clip/tied", PP4, True, clip=CLIP, spec=ModelSpec(tie_embeddings=True)),
-    Case("pp2/distributed/sync/inf", PP2, False, inject=(2, 1), distributed=True),
-    Case("pp2/distributed/pv/inf", PP2, True, inject=(2, 1), exact=True, distributed=True),
+    _case("pp4/sync", PP4, False),
+    _case("pp4/pv", PP4, True),
+    _case("pp4/sync/inf", PP4, False, inject=(2, 1)),
+    _case("pp4/sync/inf/3", PP4, False, inject=(2, 1), steps=3),
+    _case("pp4/pv/inf/3", PP4, True, inject=(2, 1), steps=3),
+    _case("pp4/pv/inf/exact", PP4, True, exact=True, inject=(2, 1)),
+    _case("pp4/sync/clip", PP4, False, clip_grad=CLIP, steps=10, dropout=0.1),
+    _case("pp4/pv/clip", PP4, True, clip_grad=CLIP, steps=10, dropout=0.1),
+    _case("pp4/pv/clip/exact", PP4, True, clip_grad=CLIP, exact=True, steps=10, dropout=0.1),
+    _case("pp4/sync/clip/sgd", PP4, False, clip_grad=CLIP, steps=10, optimizer="sgd"),
+    _case("pp4/pv/clip/sgd", PP4, True, clip_grad=CLIP, steps=10, optimizer="sgd"),
+    _case("pp2/sync/clip", PP2, False, clip_grad=CLIP),
+    _case("pp2/pv/clip/exact", PP2, True, clip_grad=CLIP, exact=True),
+    _case("pp2/pv", PP2, True),
+    _case("pp2/sync", PP2, False),
+    _case("tp2xpp2/sync", TP2, False),
+    _case("tp2xpp2/pv", TP2, True),
+    _case("tp2xpp2/sync/clip", TP2, False, clip_grad=CLIP),
+    _case("tp2xpp2/pv/clip/exact", TP2, True, clip_grad=CLIP, exact=True),
+    _case("pp2/distributed/sync/clip", PP2, False, clip_grad=CLIP, distributed=True),
+    _case("pp2/distributed/pv/clip/exact", PP2, True, clip_grad=CLIP, exact=True, distributed=True),
+    _case("pp4/pv/clip/tied", PP4, True, clip_grad=CLIP, spec=ModelSpec(tie_embeddings=True)),
+    _case("pp2/distributed/sync/inf", PP2, False, inject=(2, 1), distributed=True),
+    _case("pp2/distributed/pv/inf", PP2, True, inject=(2, 1), exact=True, distributed=True),
     # megatron DDP's overlapped reduction and parameter gathers: a rollback must wait for the gathers a forward
     # started (they carry the speculative values) and gather the validated parameters itself
-    Case("pp2/distributed/overlap/sync/clip", PP2, False, clip=CLIP, distributed=True, overlap=True),
-    Case("pp2/distributed/overlap/pv/clip/exact", PP2, True, clip=CLIP, exact=True, distributed=True, overlap=True),
-    Case("pp4/overlap/sync/clip", PP4, False, clip=CLIP, overlap=True),
-    Case("pp4/overlap/pv/clip/exact", PP4, True, clip=CLIP, exact=True, overlap=True, schedule="zb-auto"),
+    _case("pp2/distributed/overlap/sync/clip", PP2, False, clip_grad=CLIP, distributed=True, overlap=True),
+    _case("pp2/distributed/overlap/pv/clip/exact", PP2, True, clip_grad=CLIP, exact=True, distributed=True,
+          overlap=True),
+    _case("pp4/overlap/sync/clip", PP4, False, clip_grad=CLIP, overlap=True),
+    _case("pp4/overlap/pv/clip/exact", PP4, True, clip_grad=CLIP, exact=True, overlap=True, schedule="zb-auto"),
     # Two chunks per rank: the result walks from rank 0 in a V (its last virtual stage), from rank p-1 interleaved.
-    Case("pp4/zb-v/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="zb-v"),
-    Case("pp4/zb-v/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS, schedule="zb-v"),
-    Case("pp4/v-half/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="v-half"),
-    Case("pp4/v-half/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS, schedule="v-half"),
-    Case("pp4/interleaved/sync/clip", PP4X2, False, clip=CLIP, spec=EIGHT_LAYERS, schedule="interleaved-1f1b"),
-    Case("pp4/interleaved/pv/clip/exact", PP4X2, True, clip=CLIP, exact=True, spec=EIGHT_LAYERS,
-         schedule="interleaved-1f1b"),
+    _case("pp4/zb-v/sync/clip", PP4X2, False, clip_grad=CLIP, spec=EIGHT_LAYERS, schedule="zb-v"),
+    _case("pp4/zb-v/pv/clip/exact", PP4X2, True, clip_grad=CLIP, exact=True, spec=EIGHT_LAYERS, schedule="zb-v"),
+    _case("pp4/v-half/sync/clip", PP4X2, False, clip_grad=CLIP, spec=EIGHT_LAYERS, schedule="v-half"),
+    _case("pp4/v-half/pv/clip/exact", PP4X2, True, clip_grad=CLIP, exact=True, spec=EIGHT_LAYERS, schedule="v-half"),
+    _case("pp4/interleaved/sync/clip", PP4X2, False, clip_grad=CLIP, spec=EIGHT_LAYERS, schedule="interleaved-1f1b"),
+    _case("pp4/interleaved/pv/clip/exact", PP4X2, True, clip_grad=CLIP, exact=True, spec=EIGHT_LAYERS,
+          schedule="interleaved-1f1b"),
     # --calculate-per-token-loss: the token count of the loss stage comes with the gradients instead of megatron's
     # broadcast from the last stage; replicas count different tokens (shard_data), summed within each stage
-    *(Case(f"{label}/{kind}/per-token", layout, kind == "pv/clip/exact", clip=CLIP, exact=True, per_token=True,
-           shard_data=True, iterations=4, spec=spec, schedule=schedule)
-      for label, layout, spec, schedule in (("pp4", PP4, SPEC, "zb-h1"), ("pp2", PP2, SPEC, "zb-h1"),
+    *(_case(f"{label}/{kind}/per-token", layout, kind == "pv/clip/exact", clip_grad=CLIP, exact=True, per_token=True,
+            shard_data=True, steps=4, spec=spec, schedule=schedule)
+      for label, layout, spec, schedule in (("pp4", PP4, ModelSpec(), "zb-h1"), ("pp2", PP2, ModelSpec(), "zb-h1"),
                                             ("pp4/zb-v", PP4X2, EIGHT_LAYERS, "zb-v"))
       for kind in ("sync/clip", "pv/clip/exact")),
     # MoE with clipping: at EP=2 two statistics groups (dense: tensor x pipeline; experts: expert tensor x expert
     # x pipeline), one with the distributed optimizer; at EP=1 the experts are in the dense optimizer
-    *(Case(f"{label}/{kind}", layout, kind == "pv/clip/exact", clip=CLIP, exact=True, spec=MOE, iterations=3,
-           shard_data=True, distributed=distributed, microbatches=4)
+    *(_case(f"{label}/{kind}", layout, kind == "pv/clip/exact", clip_grad=CLIP, exact=True, spec=MOE, steps=3,
+            shard_data=True, distributed=distributed, microbatches=4)
       for label, (layout, distributed) in MOE_CASES.items() for kind in ("sync/clip", "pv/clip/exact")),
 ]
 
 
 @pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=900)
 
@@ -297,9 +255,9 @@ def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ("pp4/zb-v/pv/clip/exact", "pp4/zb-v/sync/clip"), ("pp4/v-half/pv/clip/exact", "pp4/v-half/sync/clip"),
     ("pp4/interleaved/pv/clip/exact", "pp4/interleaved/sync/clip"),
     ("pp2/distributed/overlap/pv/clip/exact", "pp2/distributed/overlap/sync/clip"),
-    ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
     ("pp4/pv/clip/exact/per-token", "pp4/sync/clip/per-token"), ("pp2/pv/clip/exact/per-token", "pp2/sync/clip/per-token"),
     ("pp4/zb-v/pv/clip/exact/per-token", "pp4/zb-v/sync/clip/per-token"),
+    ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
 ])
 def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])

@@ -8,17 +8,16 @@ the same deterministically initialised model (torch.equal), untied and tied embe
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron.zero_bubble.patches import PatchError
-from megatron.zero_bubble.patches.vshape_layout import (
-    v_embedding_ranks,
-    v_layer_range,
-    v_stage_roles,
-)
+from megatron.zero_bubble.patches.vshape_layout import v_embedding_ranks, v_layer_range
 from megatron.zero_bubble.schedules.schedule import virtual_stage
 from megatron.zero_bubble.training.init_weights import unwrap
+from tests.markers import marks_tests
 from tests.megatron import harness
 
 # Tied embeddings: two copies accumulate their microbatches apart and are summed once, PP=1 sums per
@@ -31,6 +30,12 @@ PATCHED_NAMES = ("get_transformer_layer_offset", "get_num_layers_to_build", "is_
 
 
 # ---------------------------------------------------------------- the V rule (no megatron)
+
+
+def v_stage_roles(stages: int, rank: int, chunk: int) -> tuple[bool, bool]:
+    """(first, last) virtual stage of the V, megatron's pre_process / post_process: the V's ends are both on rank 0."""
+    vstage = virtual_stage("v", stages, rank, chunk)
+    return vstage == 0, vstage == 2 * stages - 1
 
 
 @pytest.mark.parametrize("stages", (1, 2, 3, 4))
@@ -87,27 +92,17 @@ def _bindings() -> dict:
 
 
 def _build_chunks(spec, tied: bool, **config_overrides) -> list:
-    """This rank's GPTModel chunks, flags chosen as megatron.training's get_model chooses them."""
+    """This rank's GPTModel chunks (the harness's, by global name from seed 7); each chunk's ends as megatron.training's
+    get_model chooses them, through its module's bindings."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import training
 
-    config = harness.transformer_config(spec, **config_overrides)
+    chunks = harness.build_gpt_chunks(dataclasses.replace(spec, tie_embeddings=tied), init_seed=7, **config_overrides)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    chunks = []
-    for vp_stage in ([None] if vpp is None else range(vpp)):
-        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        if vpp is not None:  # get_model's own test, through its module's bindings
-            assert post == (training.is_pp_last_stage(pp_group) and training.is_vp_last_stage(vp_stage, vpp))
-            assert pre == (training.is_pp_first_stage(pp_group) and training.is_vp_first_stage(vp_stage, vpp))
-        chunks.append(GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                               vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-                               pre_process=pre, post_process=post, share_embeddings_and_output_weights=tied,
-                               vp_stage=vp_stage))
-    harness.init_weights_by_global_name(chunks, seed=7)
+    for vp_stage, chunk in enumerate(chunks if vpp is not None else ()):
+        assert chunk.post_process == (training.is_pp_last_stage(pp_group) and training.is_vp_last_stage(vp_stage, vpp))
+        assert chunk.pre_process == (training.is_pp_first_stage(pp_group) and training.is_vp_first_stage(vp_stage, vpp))
     return chunks
 
 
@@ -271,6 +266,7 @@ def _v_scenario(stages: int, spec) -> dict:
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=("pp2", "pp4"))
+@marks_tests(pytest.mark.exactness)
 def v_run(request):
     stages = request.param
     spec = harness.ModelSpec(num_layers=2 * stages)

@@ -24,6 +24,7 @@ from megatron.zero_bubble.patches._patching import PatchError  # noqa: E402
 from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
+from tests.markers import marks_tests  # noqa: E402
 from tests.megatron.harness import free_port  # noqa: E402
 
 SEQ, BATCH, HIDDEN, FFN = 6, 2, 8, 12
@@ -440,6 +441,7 @@ def _all_spawned_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
 def spawned():
     from tests.megatron import harness
 
