@@ -17,7 +17,7 @@
 #
 # Knobs (environment): PP (4), TP (1), NPROC (PP x TP; more gives data parallelism), ITERS (20),
 # SCHEDULES ("zb-h1 zb-h2 zb-auto zb-v"), MODEL_ARGS (a tiny GPT, below), EXTRA_ARGS (to every run),
-# ZB_ARGS (to zero-bubble runs only), COMPARE_ARGS (tolerances, default exact), OUT_DIR (out/regress),
+# ZB_ARGS (to zero-bubble runs only), ILP_ARGS (to zb-auto only), COMPARE_ARGS (tolerances, default exact), OUT_DIR (out/regress),
 # DEVICE=cpu (hide GPUs: run on CPU with gloo even where CUDA exists), PYTHON.
 # Exit status: 0 when every schedule matches its reference, 1 otherwise.
 set -uo pipefail
@@ -32,7 +32,8 @@ OUT=${OUT_DIR:-out/regress}
 MODEL_ARGS=${MODEL_ARGS:---num-layers $((2 * PP)) --hidden-size 64 --num-attention-heads 4 --seq-length 32 \
 --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 --vocab-size 128 \
 --tokenizer-type NullTokenizer --mock-data --num-workers 0 --transformer-impl local --no-gradient-accumulation-fusion}
-ZB_ARGS=${ZB_ARGS:---zero-bubble-pipeline-timers-start-iter 3 --zero-bubble-pipeline-timers-end-iter 6 --zero-bubble-ilp-time-limit 5}
+ZB_ARGS=${ZB_ARGS:---zero-bubble-pipeline-timers-start-iter 3 --zero-bubble-pipeline-timers-end-iter 6}
+ILP_ARGS=${ILP_ARGS:---zero-bubble-ilp-time-limit 5}  # zb-auto only: the other schedules have no ILP and refuse it
 V_REFERENCE_ARGS="--init-weights-by-global-name --hidden-dropout 0 --attention-dropout 0 --clip-grad 1e9"
 [ "${DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # megatron asks for it with tensor parallelism on GPU
@@ -92,7 +93,9 @@ for schedule in $SCHEDULES; do [ "$schedule" != zb-v ] && same_layout+=("$schedu
 if [ ${#same_layout[@]} -gt 0 ] && train 1f1b; then
   for schedule in "${same_layout[@]}"; do
     # shellcheck disable=SC2086
-    train "$schedule" --pipeline-schedule "$schedule" $ZB_ARGS
+    ilp=""
+    [ "$schedule" = zb-auto ] && ilp=$ILP_ARGS
+    train "$schedule" --pipeline-schedule "$schedule" $ZB_ARGS $ilp
   done
   compare 1f1b "${same_layout[@]}"
 elif [ ${#same_layout[@]} -gt 0 ]; then

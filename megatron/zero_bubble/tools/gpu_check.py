@@ -173,13 +173,14 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
             model += ["--no-gradient-accumulation-fusion"]
     start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
     end = start + max(1, min(3, sizes.iterations - start - 1))
-    timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end),
-              "--zero-bubble-ilp-time-limit", "5"]
+    timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end)]
+    ilp = {"zb-auto": ["--zero-bubble-ilp-time-limit", "5"]}  # the other schedules have no ILP and refuse the flag
     runs = {}
     for name, flags in SCHEDULES:
         if name != "1f1b" and name not in schedules:
             continue
-        extra = [] if name == "1f1b" else timers + ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")]
+        extra = [] if name == "1f1b" else timers + ilp.get(name, []) + ["--zero-bubble-dump-schedule",
+                                                                        str(out / f"dump-{name}")]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sizes.gpus),
                    "--master-port", str(_free_port()), "pretrain_gpt.py", *model, *flags, *extra]
         runs[name] = _run(command, out / f"pretrain-{name}.log", _env(cpu))
