@@ -40,11 +40,11 @@ def _use_source(source: str | None) -> None:
 
 
 def plan_once(name: str, stages: int, microbatches: int, ilp_time_limit: float) -> dict:
-    """Plan one case in this process; returns the seconds and what the plan predicts."""
-    sys.path.insert(0, str(HERE))
-    from plan_quality import row_costs
+    """Plan one case in this process; returns the seconds and what the plan predicts (and which code planned)."""
+    from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # first: from --source, if given
 
-    from megatron.zero_bubble.schedules.planners import PlanRequest, plan
+    sys.path.append(str(HERE))  # after --source: plan_quality's own imports find the modules already loaded
+    from plan_quality import row_costs
 
     base, _, budget = name.partition("@")
     base, _, chunks_text = base.partition("/")
@@ -57,7 +57,10 @@ def plan_once(name: str, stages: int, microbatches: int, ilp_time_limit: float) 
     schedule = plan(base, request)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     note = schedule.info.get("planner", {}).get("ilp", "") if isinstance(schedule.info.get("planner"), dict) else ""
-    return {"seconds": seconds, "cpu": cpu, "bubble_rate": schedule.info["predicted"]["bubble_rate"],
+    import megatron.zero_bubble.schedules as planning
+
+    return {"code": planning.__file__, "seconds": seconds, "cpu": cpu,
+            "bubble_rate": schedule.info["predicted"]["bubble_rate"],
             "peak": max(schedule.info["predicted"]["peak_memory"]), "ilp": note}
 
 

@@ -454,7 +454,8 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
                               description="draw the timeline (PNG/SVG, or text without -o)")
     _one_schedule_options(sub)
     sub.add_argument("-o", "--output", help="picture file (.png or .svg); without it a text picture on stdout")
-    sub.add_argument("--width", type=int, help=f"text picture width in characters (without -o; default {DEFAULT_WIDTH})")
+    sub.add_argument("--width", type=int,
+                     help=f"text picture width in characters (without -o; default {DEFAULT_WIDTH})")
     sub.set_defaults(run=cmd_draw)
     sub = commands.add_parser("compare", parents=[common], help="one table of several schedules on the same costs")
     sub.add_argument("--schedules", "--schedule", action="append", help="comma-separated names, or repeat the option")

@@ -111,16 +111,17 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     # A rank runs its passes until one lacks an input; it then waits for that input and runs on once it ends.
     # Each pass is looked at about once, whichever way the dependencies point.
     runnable = list(reversed(range(p)))
+    chunks, new = schedule.chunks, tuple.__new__  # a TimedPass from its fields, without a Python-level call
     while runnable:
         rank = runnable.pop()
         passes, at, end, row_of, out = schedule.ranks[rank], pos[rank], free[rank], rows[rank], timed[rank]
         while at < len(passes):
             op = passes[at]
-            row, mb = row_of.get((op.chunk, op.op)), op.mb
-            if row is None or not 0 <= mb < m:
+            kind, mb, chunk = op
+            if not (0 <= mb < m and 0 <= chunk < chunks):
                 raise ScheduleError(f"rank {rank} runs {op.describe()}, outside the schedule's chunks or "
                                     f"microbatches (the validator names such problems first)")
-            vs, needs, length, completes = row
+            vs, needs, length, completes = row_of[kind][chunk]
             ready = 0.0
             for done, comm, waiters in needs:
                 arrives = done[mb]
@@ -133,7 +134,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             else:  # every input has ended: the pass runs
                 start = end if end > ready else ready
                 end = start + length
-                out.append(TimedPass(rank, vs, op, start, end))
+                out.append(new(TimedPass, (rank, vs, op, start, end)))
                 for work, waiters in completes:
                     work[mb] = end
                     if waiters and mb in waiters:
@@ -149,19 +150,19 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
 
 
 def _rows(schedule: Schedule, costs: Costs, ended: dict, waiting: dict) -> list[dict]:
-    """Per rank, the table's row of each (chunk, op): virtual stage, needs as (end times of the needed pass,
-    T_comm to get here, who waits for it), duration, and the (end times, waiters) the pass fills in."""
+    """Per rank, op and chunk the table's row: virtual stage, needs as (end times of the needed pass, T_comm to
+    get here, who waits for it), duration, and the (end times, waiters) the pass fills in."""
     nv, p = schedule.num_virtual_stages, schedule.stages
     rows = []
     for rank in range(p):
-        row_of = {}
+        row_of = {op: [] for op in TABLE}
         for chunk in range(schedule.chunks):
             vs = schedule.virtual_stage(rank, chunk)
             for op, f in TABLE.items():
                 needs = tuple((ended[need][u], costs.t_comm if schedule.owner(u)[0] != rank else 0.0, waiting[need][u])
                               for need, u in f.needed_stages(vs, nv, p))
                 completes = tuple((ended[work][vs], waiting[work][vs]) for work in f.completes)
-                row_of[chunk, op] = (vs, needs, f.duration(costs, vs), completes)
+                row_of[op].append((vs, needs, f.duration(costs, vs), completes))
         rows.append(row_of)
     return rows
 

@@ -77,6 +77,8 @@ class _Planner:
         self.passes = 6 * stages * microbatches
         self.levels = memory_levels(stages, microbatches)
         self.done: dict[float, list[_Candidate]] = {}
+        self._paper_v: Schedule | None = None  # the paper's ZB-V order and its peaks, worked out once
+        self._paper_peaks: list[float] = []
 
     # -- evaluation -------------------------------------------------------------------------------------
 
@@ -106,8 +108,10 @@ class _Planner:
             if named:
                 for block, how, squeezes in self._blocks(level, limits):
                     self._squeezed(found, block_order(block, self.p, self.m), how, squeezes, limits)
-            # At V-Min's and V-Half's memory the greedy never came close to the blocks; it plans the rest.
-            if not named or not found or level >= self.p:
+            # At V-Min's and V-Half's memory the greedy never came close to the blocks; it plans the rest (for
+            # large plans not above p M_B, where it found little more than at p M_B and took seconds).
+            above = level > self.p and self._effort() in ("large", "huge")
+            if (not named or not found or level >= self.p) and not above:
                 self._greedy(found, level, limits)
             self.done[level] = found
         return self.done[level]
@@ -213,16 +217,28 @@ class _Planner:
         return all(max(profile) <= limit * (1 + _EPS) + _EPS
                    for profile, limit in zip(memory_profile(schedule, self.costs), limits))
 
+    def _paper(self) -> Schedule:
+        if self._paper_v is None:
+            self._paper_v = self._schedule(paper_v_order(self.p, self.m))
+            self._paper_peaks = [max(profile, default=0.0) for profile in memory_profile(self._paper_v, self.costs)]
+        return self._paper_v
+
+    def _paper_fits(self, level: float) -> bool:
+        """Whether the paper's ZB-V order fits the memory of `level` on every rank."""
+        self._paper()
+        return all(peak <= level * mb + _EPS for peak, mb in zip(self._paper_peaks, self.rank_mb))
+
     def _greedy(self, found, level: float, limits: list[float]) -> None:
         """vshape's list scheduler under this level; where the paper's ZB-V fits, that order too, and greedy
         drains after its warm-up and steady state (the best ZB-V plans: only they are tried for large p*m)."""
-        paper = self._schedule(paper_v_order(self.p, self.m))
-        peaks = [max(profile, default=0.0) for profile in memory_profile(paper, self.costs)]
-        paper_fits = all(peak <= limit + _EPS for peak, limit in zip(peaks, limits))
+        paper = self._paper()
+        paper_fits = self._paper_fits(level)
         effort = self._effort()
         seeds: list[tuple[Policy, list | None]] = []
-        if paper_fits:  # ZB-V's memory: the paper's order seeds the best runs (and it is a plan itself)
-            self._keep(found, paper.ranks, {"paper_order": "ZB-V"}, limits)
+        if paper_fits:  # ZB-V's memory: the paper's order seeds the best runs (and it is a plan itself, kept at
+            # the lowest level it fits: the same order on a higher level could only tie with it)
+            if not any(lower < level and self._paper_fits(lower) for lower in self.levels):
+                self._keep(found, paper.ranks, {"paper_order": "ZB-V"}, limits)
             until_last_f = [r[: max(i for i, x in enumerate(r) if x.op == "F") + 1] for r in paper.ranks]
             seeds += [(policy, until_last_f) for policy in POLICIES[:2 if effort == "full" else 1]]
             seeds += [(policy, None) for policy in POLICIES[:2 if effort == "full" else 0]]
