@@ -1,7 +1,6 @@
 """The automatic planner (ZB-1p / ZB-2p): valid schedules everywhere, paper-level bubbles, a safe ILP."""
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
@@ -10,8 +9,6 @@ from megatron.zero_bubble.schedules import Costs, MemoryLimit, ScheduleError, si
 from megatron.zero_bubble.schedules.auto import Problem, best_heuristic, span_lower_bound, zb_auto
 from megatron.zero_bubble.schedules.memory import rank_memory_limits
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan
-
-CHECK_COMM = importlib.util.find_spec("megatron.zero_bubble.schedules.comm") is not None
 
 
 def cost_mix(name: str, p: int) -> Costs:
@@ -49,7 +46,7 @@ def test_every_heuristic_schedule_validates_under_its_memory_limit(p):
         costs = cost_mix(mix, p)
         schedule = zb_auto(p, m, costs, memory_limit=limit, ilp_time_limit=0)
         assert (schedule.name, schedule.layout, schedule.chunks) == ("zb-auto", "single", 1)
-        timeline = validate(schedule, costs, memory_limit=limit, check_comm=CHECK_COMM)
+        timeline = validate(schedule, costs, memory_limit=limit)
         for rank, passes in enumerate(schedule.ranks):
             assert {x.op for x in passes} == {"F", "B", "W"}
             # W in microbatch order on every stage: what keeps gradients bit-identical to 1F1B
@@ -111,7 +108,7 @@ def test_zb_1p_reaches_the_lower_bound_and_zb_h1_on_the_paper_1_5b_row():
 def test_zb_2p_at_or_below_the_paper_on_1_5b_rows(m, paper):
     costs = paper_costs(*ROW_1_5B)
     schedule = zb_auto(8, m, costs, memory_limit=16, ilp_time_limit=0)
-    assert validate(schedule, costs, memory_limit=16, check_comm=CHECK_COMM).bubble_rate <= paper
+    assert validate(schedule, costs, memory_limit=16).bubble_rate <= paper
 
 
 def test_heuristic_for_p32_m256_is_fast_and_beats_the_paper():
@@ -132,7 +129,7 @@ def test_ilp_result_is_valid_and_never_worse_than_the_heuristic(p, m, mix, limit
     costs = cost_mix(mix, p)
     schedule = zb_auto(p, m, costs, memory_limit=limit, ilp_time_limit=2.0)
     notes = schedule.info["planner"]
-    timeline = validate(schedule, costs, memory_limit=limit, check_comm=CHECK_COMM)
+    timeline = validate(schedule, costs, memory_limit=limit)
     assert max(timeline.span(r) for r in range(p)) <= notes["heuristic_span"] * (1 + 1e-12)
     assert [x.mb for x in schedule.ranks[0] if x.op == "W"] == list(range(m))
 
@@ -152,7 +149,7 @@ def test_ilp_respects_its_time_limit_and_reports_progress():
     schedule = zb_auto(6, 12, costs, memory_limit=2, ilp_time_limit=2.5, progress=lines.append)
     elapsed = time.monotonic() - begun
     assert elapsed < 2.5 + 20  # HiGHS stops at its limit; the slack covers model building on a busy machine
-    validate(schedule, costs, memory_limit=2, check_comm=CHECK_COMM)
+    validate(schedule, costs, memory_limit=2)
     assert lines and all(line.startswith("ILP ") and "best span" in line for line in lines)
     assert len(lines) <= elapsed + 1  # at most about once a second
 

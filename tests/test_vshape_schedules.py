@@ -1,7 +1,5 @@
 """ZB-V, V-Half and V-Min: valid V schedules under their memory limits, zero bubble where the paper says so.
 (tests/test_v_budget.py validates them over a grid of p and m, and under budgets in between.)"""
-import importlib.util
-
 import pytest
 
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate, validate
@@ -12,7 +10,6 @@ from megatron.zero_bubble.schedules.vshape import paper_v_order
 
 PLANNERS = {"zb-v": zb_v, "v-half": v_half, "v-min": v_min}
 DEFAULT_LIMIT = {"zb-v": lambda p: p, "v-half": lambda p: (p + 2) // 2, "v-min": lambda p: (p + 4) // 3}
-HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
 def chunk_costs(p, t_f=1.0, t_b=1.0, t_w=1.0, t_comm=0.0):
@@ -102,7 +99,6 @@ def test_plan_entry_point_builds_and_predicts_zb_v():
     assert schedule.info["predicted"]["bubble_rate"] == pytest.approx(0.0, abs=1e-12)
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize("p,m", [(2, 5), (4, 6), (4, 12)])
 def test_torch_reference_is_the_paper_order(p, m):
     from benchmarks.torch_reference import torch_zbv_schedule
@@ -110,7 +106,6 @@ def test_torch_reference_is_the_paper_order(p, m):
     assert torch_zbv_schedule(p, m).ranks == paper_v_order(p, m)
 
 
-@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 @pytest.mark.parametrize(
     "p,m,costs",
     [

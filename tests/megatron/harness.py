@@ -262,6 +262,10 @@ def transformer_config(spec: ModelSpec, **overrides):
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, masked_softmax_fusion=False, apply_rope_fusion=False,
     )
+    if settings["virtual_pipeline_model_parallel_size"] is not None:
+        # as megatron.training configures an interleaved schedule: one send/receive call per direction (batched
+        # calls post a rank's two sends to the same peer out of its order at PP=2, which megatron refuses there)
+        settings.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     settings.update(spec.config_overrides())
     settings.update(overrides)
     return TransformerConfig(**settings)
@@ -455,18 +459,20 @@ BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that t
 
 
 @functools.lru_cache(maxsize=None)
-def planned(name: str, stages: int, microbatches: int, costs: tuple | None = None, post_validation: bool = False):
-    """Schedule `name` as its planner makes it (ILP off). `costs` as in `Case`: a plan of n virtual stages takes
-    the last n entries of each tuple."""
+def planned(name: str, stages: int, microbatches: int, costs: tuple | None = None, post_validation: bool = False,
+            chunks: int | None = None):
+    """Schedule `name` as its planner makes it (ILP off), for `chunks` model chunks per rank (None: the schedule's
+    natural count). `costs` as in `Case`: a plan of n virtual stages takes the last n entries of each tuple."""
     from megatron.zero_bubble.schedules import Costs
     from megatron.zero_bubble.schedules.planners import PlanRequest, natural_chunks, plan
 
+    chunks = chunks or natural_chunks(name)
     if costs is not None:
-        n = stages * natural_chunks(name)
+        n = stages * chunks
         t_f, t_b, t_w, t_comm = costs
-        costs = Costs.make(n, t_f=t_f[-n:], t_b=t_b[-n:], t_w=t_w[-n:], t_comm=t_comm, chunks=natural_chunks(name))
+        costs = Costs.make(n, t_f=t_f[-n:], t_b=t_b[-n:], t_w=t_w[-n:], t_comm=t_comm, chunks=chunks)
     return plan(name, PlanRequest(stages=stages, microbatches=microbatches, costs=costs, ilp_time_limit=0,
-                                  post_validation=post_validation))
+                                  post_validation=post_validation, chunks=chunks))
 
 
 class CaseRun:
@@ -560,7 +566,8 @@ class CaseRun:
 
 
 def _plan_for_microbatches(case: Case, microbatches: int):
-    return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation)
+    """The case's plan for the layout's chunks per rank (vpp; zb-auto plans any number)."""
+    return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation, case.layout.vpp)
 
 
 def _ddp_config(case: Case):

@@ -98,6 +98,7 @@ def _run_case(case: Case) -> dict:
 
 
 SPEC8 = ModelSpec(num_layers=8)
+SPEC16 = ModelSpec(num_layers=16)
 CASES = [
     Case("pp4/megatron", Layout(pp=4), None, microbatches=8),
     Case("pp4/megatron+patch", Layout(pp=4), None, microbatches=8, patch_only=True),
@@ -113,6 +114,12 @@ CASES = [
     *[Case(f"tp2xpp2/{s}", Layout(tp=2, pp=2), s, microbatches=4) for s in ZB_SCHEDULES],
     Case("pp4vpp2/megatron", Layout(pp=4, vpp=2), None, microbatches=8, spec=SPEC8),
     Case("pp4vpp2/interleaved-1f1b", Layout(pp=4, vpp=2), "interleaved-1f1b", microbatches=8, spec=SPEC8),
+    # zb-auto over several chunks per rank, in megatron's interleaved placement (planned on skewed costs at v=2)
+    Case("pp4vpp2/zb-auto", Layout(pp=4, vpp=2), "zb-auto", microbatches=8, spec=SPEC8, costs=SKEWED_COSTS),
+    Case("pp4vpp4/megatron", Layout(pp=4, vpp=4), None, microbatches=8, spec=SPEC16),
+    Case("pp4vpp4/zb-auto", Layout(pp=4, vpp=4), "zb-auto", microbatches=8, spec=SPEC16),
+    *[Case(f"pp2xdp2vpp2/{s or 'megatron'}/overlap", Layout(pp=2, vpp=2), s, microbatches=4, optimizer="adam",
+           steps=3, overlap=True, every_stage_buckets=s is not None, spec=SPEC8) for s in (None, "zb-auto")],
     # ZB-V against a single-stage run of the same model (DP=4 replicas there, all on the same data)
     Case("pp1/megatron", Layout(), None, microbatches=4),
     Case("pp2xdp2/zb-v", Layout(pp=2, vpp=2), "zb-v", microbatches=4),
@@ -197,6 +204,18 @@ def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(repo
     harness.assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
 
 
+@pytest.mark.parametrize("label, reference", [("pp4vpp2/zb-auto", "pp4vpp2/megatron"),
+                                              ("pp4vpp4/zb-auto", "pp4vpp4/megatron"),
+                                              ("pp2xdp2vpp2/zb-auto/overlap", "pp2xdp2vpp2/megatron/overlap")])
+def test_interleaved_zb_auto_is_bit_identical_to_megatrons_interleaved_1f1b(reports, label, reference):
+    """Losses, gradients and (with DP=2, overlapped reduction and three Adam steps) parameters: zb-auto's plan over
+    v chunks per rank splits every backward into B and W and reorders them, the numbers stay megatron's."""
+    case = next(c for c in CASES if c.label == label)
+    schedule = harness.planned(case.schedule, case.layout.pp, case.microbatches, case.costs, chunks=case.layout.vpp)
+    assert schedule.chunks == case.layout.vpp and any(p.op == "W" for p in schedule.ranks[0])
+    harness.assert_identical(reports[label], reports[reference])
+
+
 def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
     harness.assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
 
@@ -243,7 +262,8 @@ def test_zb_v_with_the_distributed_optimizer_starts_each_chunks_parameter_gather
 
 
 @pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
-                         + [f"pp2xdp2/{s}/overlap/distributed" for s in ("zb-h1", "zb-auto")])
+                         + [f"pp2xdp2/{s}/overlap/distributed" for s in ("zb-h1", "zb-auto")]
+                         + ["pp2xdp2vpp2/zb-auto/overlap"])
 def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(reports, label):
     """In an iteration after the first (megatron learns each bucket's parameters in the first): every bucket
     group's reduction starts exactly once, and the first one before the rank's last W pass ended (it fails if

@@ -111,11 +111,6 @@ def v_last_stage_owner(stages: int) -> tuple[int, int]:
     return stage_owner(LAYOUT, stages, CHUNKS * stages - 1)
 
 
-def v_stage_roles(stages: int, rank: int, chunk: int) -> tuple[bool, bool]:
-    """(is first stage, is last stage) of (rank, chunk): megatron's pre_process / post_process."""
-    return (rank, chunk) == v_first_stage_owner(stages), (rank, chunk) == v_last_stage_owner(stages)
-
-
 def v_embedding_ranks(pp_ranks: list[int]) -> list[int]:
     """Global ranks holding word embeddings (first and last virtual stage) in one pipeline: [pp_ranks[0]].
 
