@@ -50,7 +50,7 @@ def test_the_v_reads_a_layout_or_the_embedding_and_loss_accounting_in_virtual_st
                                              range(6, 7), range(7, 8), range(8, 8)]
     with pytest.raises(PatchError, match="8 virtual stages holding 8 layers"):
         v_stage_layer_counts(8, 4, layout=[2, 2, 2, 2])
-    with pytest.raises(PatchError, match="num_layers = 5 \+ 2 .embedding and loss counted as layers. is not a multiple of 8"):
+    with pytest.raises(PatchError, match=r"num_layers = 5 \+ 2 .embedding and loss counted as layers. is not a multiple of 8"):
         v_stage_layer_counts(5, 4, embedding=True, loss=True)
 
 

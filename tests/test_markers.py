@@ -74,7 +74,7 @@ def test_the_guard_lets_a_librarys_own_probes_pass():
     assert markers.ProcessGuard._describe_popen(None, ["python", "-c", "1"]) is not None
 
 
-def test_tests_that_need_cuda_or_transformer_engine_skip_with_the_reason_where_it_is_missing(pytester):
+def test_tests_that_need_cuda_or_transformer_engine_skip_with_the_reason_where_it_is_missing(pytester, monkeypatch):
     """conftest.py's marks in a session of their own (in this process): each test runs where its requirement is met
     and is skipped, saying what is missing, where it is not."""
     import importlib.util
@@ -94,6 +94,9 @@ def test_tests_that_need_cuda_or_transformer_engine_skip_with_the_reason_where_i
         def test_with_transformer_engine():
             import transformer_engine  # noqa: F401
     """)
+    # installed plugins stay out (pytest-benchmark, where installed, runs git as it loads: a process this test may
+    # not start)
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider")
     have = {"cuda": torch.cuda.is_available(), "te": importlib.util.find_spec("transformer_engine") is not None}
     result.assert_outcomes(passed=sum(have.values()), skipped=2 - sum(have.values()))
