@@ -1,11 +1,13 @@
 """The V planner under a memory budget (issue 12): valid plans over a grid, never worse with more memory,
 V-Min's floor refused below, the paper's building blocks, the squeezes' memory, and the trade-off picture."""
+import random
+
 import pytest
 
 from megatron.zero_bubble.schedules import Costs, Schedule, ScheduleError, simulate, validate
 from megatron.zero_bubble.schedules.cli import main
 from megatron.zero_bubble.schedules.memory import memory_profile
-from megatron.zero_bubble.schedules.vblocks import Grid, Shape, block_order, build_block, paper_shape
+from megatron.zero_bubble.schedules.vblocks import Grid, Shape, block_order, build_block, free_start, paper_shape
 from megatron.zero_bubble.schedules.vbudget import mem_setup_limit, plan_v, v_half, v_min, v_plans, zb_v
 from megatron.zero_bubble.schedules.vcompact import left_justify, refill_weight_passes, right_justify
 from megatron.zero_bubble.schedules.problem import MemoryLimit
@@ -170,3 +172,20 @@ def test_a_budget_in_bytes_holds_on_every_rank_with_the_lm_head_on_rank_0():
     assert max(timeline.peak_memory) <= budget
     with pytest.raises(ScheduleError, match="below V-Min's"):
         zb_v(p, m, costs, MemoryLimit(1.5 * max(rank_mb), absolute=True))
+
+
+def test_the_block_builders_slot_search_finds_the_first_free_run_around_the_ring():
+    """vblocks.free_start jumps over taken runs; it must return what trying every start in turn returns."""
+    def every_start(cells, ready, length):
+        period = len(cells)
+        for start in range(ready, ready + period):
+            if length <= period and all(not cells[(start + i) % period] for i in range(length)):
+                return start
+        return None
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        period = rng.randint(1, 24)
+        cells = bytearray(rng.random() < rng.choice((0.2, 0.5, 0.9)) for _ in range(period))
+        ready, length = rng.randint(0, 3 * period), rng.randint(0, period + 1)
+        assert free_start(cells, ready, length) == every_start(cells, ready, length), (cells, ready, length)

@@ -86,6 +86,48 @@ class Block:
     w: tuple[int, ...]
 
 
+def free_start(cells: bytearray, ready: int, length: int) -> int | None:
+    """The first start from `ready` (within one period, len(cells)) whose `length` cells, read around the ring, are
+    free; None if there is none. A taken cell rules out every start up to it, so the search jumps to the next free
+    cell after it (fine grids, from costs that differ a hundredfold, have periods of thousands of cells)."""
+    period, start = len(cells), ready
+    while start < ready + period and length <= period:
+        s = start % period
+        taken_at = _first_taken(cells, s, length)
+        if taken_at < 0:
+            return start
+        start += taken_at + _free_run_start(cells, (s + taken_at) % period)
+    return None
+
+
+def _first_taken(cells: bytearray, start: int, length: int) -> int:
+    """Offset from `start` of the first taken cell among `length` cells read around the ring; -1 if all are free."""
+    end = start + length
+    if end <= len(cells):
+        hit = cells.find(1, start, end)
+        return hit - start if hit >= 0 else -1
+    hit = cells.find(1, start)
+    if hit >= 0:
+        return hit - start
+    hit = cells.find(1, 0, end - len(cells))
+    return hit + len(cells) - start if hit >= 0 else -1
+
+
+def _free_run_start(cells: bytearray, taken_at: int) -> int:
+    """Cells from the taken cell `taken_at` to the next free one around the ring (len(cells) if none is free)."""
+    free = cells.find(0, taken_at)
+    if free < 0:
+        free = cells.find(0, 0, taken_at)
+        return len(cells) if free < 0 else free + len(cells) - taken_at
+    return free - taken_at
+
+
+def _take(cells: bytearray, start: int, length: int) -> None:
+    head = min(length, len(cells) - start)
+    cells[start:start + head] = b"\x01" * head
+    cells[:length - head] = b"\x01" * (length - head)
+
+
 def build_block(stages: int, grid: Grid, shape: Shape, extra: int = 0) -> Block | None:
     """Place one microbatch's passes along the V, each in the first slot after its input where it is free
     in every period; W passes last, in the order of their B. The period is the busiest rank's work plus
@@ -96,13 +138,10 @@ def build_block(stages: int, grid: Grid, shape: Shape, extra: int = 0) -> Block 
     taken = [bytearray(period) for _ in range(stages)]
 
     def place(rank: int, ready: int, length: int) -> int | None:
-        cells = taken[rank]
-        for start in range(ready, ready + period):
-            if all(not cells[(start + i) % period] for i in range(length)):
-                for i in range(length):
-                    cells[(start + i) % period] = 1
-                return start
-        return None
+        start = free_start(taken[rank], ready, length)
+        if start is not None:
+            _take(taken[rank], start % period, length)
+        return start
 
     def hop(a: int, b: int) -> int:
         return grid.comm if owner[a] != owner[b] else 0
