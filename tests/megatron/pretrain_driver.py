@@ -12,14 +12,15 @@ Rank side, as a script:
         state destroyed in between, as its in-process restart does), each rank's output in a file per run. A run
         that raises on any rank fails on every rank (they agree after each run) and the next run starts.
     python pretrain_driver.py refusals CASES.json
-        the one-line refusal of the start-up checks for each case (flags, world size), and how the early parser
-        declares megatron's flags against megatron's parser.
+        the one-line refusal of the start-up checks for each case (flags, world size), how the early parser
+        declares megatron's flags against megatron's parser, and the `--help` text.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
 import gc
+import io
 import json
 import os
 import subprocess
@@ -264,6 +265,15 @@ def check_refusals(cases_path: str) -> None:
 
     print("EARLY_FLAGS " + json.dumps({flag: [declared(action), declared(theirs.get(flag))]
                                        for flag, action in ours.items()}))
+    # `pretrain_gpt.py --help`: megatron's parser with our flags, printed as argparse prints it, then exit 0
+    sys.argv, text = ["pretrain_gpt.py", "--help"], io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            parse_args(arguments.add_arguments)
+            status = None
+        except SystemExit as exit_:
+            status = exit_.code
+    print("HELP " + json.dumps({"status": status, "text": text.getvalue()}))
 
 
 if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process
