@@ -13,7 +13,8 @@ Rank side, as a script:
         that raises on any rank fails on every rank (they agree after each run) and the next run starts.
     python pretrain_driver.py refusals CASES.json
         the one-line refusal of the start-up checks for each case (flags, world size), how the early parser
-        declares megatron's flags against megatron's parser, and the `--help` text.
+        declares megatron's flags against megatron's parser, the `--help` text, and how a bare assert of
+        megatron's argument validation stops the start-up.
 """
 from __future__ import annotations
 
@@ -274,6 +275,30 @@ def check_refusals(cases_path: str) -> None:
         except SystemExit as exit_:
             status = exit_.code
     print("HELP " + json.dumps({"status": status, "text": text.getvalue()}))
+    print("MEGATRON_ASSERT " + json.dumps(_megatron_assert()))
+
+
+def _megatron_assert() -> dict:
+    """A flag combination megatron's own validation refuses with a bare assert (--save without --save-interval),
+    through the start-up's parse_and_validate on one rank: its exit status and what it printed."""
+    from megatron.zero_bubble.training import arguments
+
+    sys.argv = ["pretrain_gpt.py", *("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+                                     "--max-position-embeddings 8 --micro-batch-size 1 --global-batch-size 1 "
+                                     "--train-iters 1 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 16 "
+                                     "--mock-data --save /nonexistent-zb-test/ckpt").split()]
+    os.environ.update(WORLD_SIZE="1", RANK="0")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            arguments.parse_and_validate()
+            status = None
+        except SystemExit as exit_:
+            status = exit_.code
+        except BaseException:  # a traceback is what the test rules out: show it
+            traceback.print_exc()
+            status = "raised"
+    return {"status": status, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 if __name__ == "__mp_main__":  # megatron's checkpoint writer re-imports the main module in a spawned process

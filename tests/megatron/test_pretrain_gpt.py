@@ -696,6 +696,21 @@ def test_help_lists_megatron_and_zero_bubble_flags(side_launches):
         assert flag in help_["text"]
 
 
+def test_a_failed_megatron_assert_is_one_line_naming_megatrons_check(side_launches):
+    """A mistake megatron's own argument validation catches with a bare assert (--save without --save-interval)
+    stops the start-up with one line naming megatron's check (its file, line and asserted expression), exit
+    status 2, not a traceback."""
+    done = side_launches["refusals"].result()
+    line = next((line for line in done.stdout.splitlines() if line.startswith("MEGATRON_ASSERT ")), None)
+    assert line is not None, done.stderr[-4000:]
+    stopped = json.loads(line[len("MEGATRON_ASSERT "):])
+    errors = [line for line in stopped["stderr"].splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert stopped["status"] == 2 and len(errors) == 1, stopped
+    assert "Traceback" not in stopped["stderr"] + stopped["stdout"]
+    assert "megatron's argument check failed at megatron/training/arguments.py:" in errors[0]
+    assert "assert args.save_interval is not None" in errors[0]
+
+
 @pytest.mark.parametrize("label", list(REFUSALS))
 def test_bad_input_is_refused_with_one_line_naming_the_flag(refusals, label):
     words = REFUSALS[label][2]
