@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from megatron.zero_bubble.tools import gpu_check
+from tests.markers import starts_in_background
+from tests.megatron.pretrain_driver import Background
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,11 +71,32 @@ def test_the_table_holds_only_when_every_verdict_of_a_part_holds():
     assert table.splitlines()[0] == "versions: torch 2.13.0" and "| a | model | differs | NO |" in table
 
 
+_STARTED: dict = {}
+
+
+def _start_cpu_check(tmp_path_factory) -> list[Background]:
+    """The whole check on CPU, started once (by conftest.py as soon as the tests are collected: it runs beside them)."""
+    if "check" not in _STARTED:
+        out = str(tmp_path_factory.mktemp("gpu_check_cpu"))
+        command = ["bash", "scripts/gpu_check.sh", "--cpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-h1",
+                   "--out", out]
+        _STARTED["check"] = Background("gpu-check", command, out, timeout=900,
+                                       env={"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
+    return [_STARTED["check"]]
+
+
+@pytest.fixture(scope="module")
+@starts_in_background(_start_cpu_check)
+def cpu_check(tmp_path_factory):
+    (launch,) = _start_cpu_check(tmp_path_factory)
+    yield launch.result()
+    _STARTED.pop("check").stop()
+
+
 @pytest.mark.slow
-def test_every_part_runs_on_cpu_and_the_check_holds(tmp_path):
+def test_every_part_runs_on_cpu_and_the_check_holds(cpu_check):
     """One zero-bubble schedule (the others are the same launch with another flag): 2 pretrain_gpt.py launches."""
-    done = _script("--cpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-h1", "--out", str(tmp_path),
-                   timeout=900)
+    done = cpu_check
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert any(line.startswith("| a | local layer tiny") and line.endswith("| yes |") for line in rows)

@@ -4,7 +4,7 @@ Parent side (imports nothing of megatron):
     start_driver(runs, work, nproc, timeout) -> Background   one torchrun of this file in driver mode
     driver_results(launch, labels, work) -> Runs               each run's combined output and whether it finished
     start_refusals(cases, work, timeout) -> Background         the start-up checks of every case in one process
-    Background(name, command, work, timeout)                   a command read later (stdout, stderr in files)
+    Background(name, command, work, timeout[, env])            a command read later (stdout, stderr in files)
     torchrun_command(nproc, args), launch_environment(), free_port()
 Rank side, as a script:
     python -m torch.distributed.run --nproc-per-node 4 pretrain_driver.py drive PLAN.json
@@ -65,11 +65,12 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
 class Background:
     """A command started now and read later, its stdout and stderr in files (a pipe left unread would block it)."""
 
-    def __init__(self, name: str, command: list[str], work: str, timeout: float):
+    def __init__(self, name: str, command: list[str], work: str, timeout: float, env: dict | None = None):
         self.command, self.timeout, self.started = command, timeout, time.monotonic()
         self.paths = [os.path.join(work, f"{name}.{stream}") for stream in ("stdout", "stderr")]
         with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
-            self.process = subprocess.Popen(command, cwd=REPO, env=launch_environment(), stdout=out, stderr=err)
+            self.process = subprocess.Popen(command, cwd=REPO, env=launch_environment() | (env or {}), stdout=out,
+                                            stderr=err)
 
     def result(self) -> subprocess.CompletedProcess:
         """The finished command; one still running at its deadline is killed (return code None)."""

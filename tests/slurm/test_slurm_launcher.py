@@ -188,27 +188,55 @@ def job_state(job_id: str, env: dict) -> dict:
     return dict(field.split("=", 1) for field in line.split() if "=" in field)
 
 
-def run_job(cluster: Cluster, tmp_path: Path, timeout_s: float, *args: str, **knobs: str) -> tuple:
-    """Submits the launcher, polls every 0.5 s until the job ends; returns (state, exit code, output)."""
+@dataclasses.dataclass
+class Job:
+    job_id: str
+    env: dict
+    output: Path
+    work: Path  # LOG_DIR is work / "logs"
+
+
+def submit_job(cluster: Cluster, work: Path, *args: str, **knobs: str) -> Job:
+    """Submits the launcher on two nodes (LOG_DIR under `work`); the job runs while other tests do."""
     if cluster.failure:
         pytest.fail(cluster.failure, pytrace=False)
-    env = clean_environment(**cluster.env, CPU="1", MODEL="tiny",
-                            LOG_DIR=str(tmp_path / "logs"),
+    env = clean_environment(**cluster.env, CPU="1", MODEL="tiny", LOG_DIR=str(work / "logs"),
                             TORCHRUN=f"{sys.executable} -m torch.distributed.run", **knobs)
-    output = tmp_path / "job.out"
+    output = work / "job.out"
+    # --exclusive=user (over the script's --exclusive): the suite's two jobs share the two nodes, a core each
     job_id = subprocess.run(
-        ["sbatch", "--parsable", "--nodes=2", f"--output={output}", "--time=10", str(SBATCH_SCRIPT), *args],
+        ["sbatch", "--parsable", "--nodes=2", "--exclusive=user", f"--output={output}", "--time=10",
+         str(SBATCH_SCRIPT), *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    return Job(job_id, env, output, work)
+
+
+def wait_job(job: Job, timeout_s: float) -> tuple:
+    """Polls every 0.5 s until the job ends (cancelled after `timeout_s`); returns (state, exit code, output)."""
     deadline = time.monotonic() + timeout_s
-    state = job_state(job_id, env)
+    state = job_state(job.job_id, job.env)
     while state.get("JobState") not in FINAL_JOB_STATES:
         if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=env, timeout=10)
-            pytest.fail(f"job {job_id} still {state.get('JobState')} after {timeout_s} s:\n"
-                        + (output.read_text() if output.exists() else "(no output)"))
+            subprocess.run(["scancel", job.job_id], env=job.env, timeout=10)
+            pytest.fail(f"job {job.job_id} still {state.get('JobState')} after {timeout_s} s:\n"
+                        + (job.output.read_text() if job.output.exists() else "(no output)"))
         time.sleep(0.5)
-        state = job_state(job_id, env)
-    return state["JobState"], state.get("ExitCode"), output.read_text() if output.exists() else ""
+        state = job_state(job.job_id, job.env)
+    return state["JobState"], state.get("ExitCode"), job.output.read_text() if job.output.exists() else ""
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Job]:
+    """Both jobs, submitted together: the cluster runs them side by side (each node has room for two ranks), so the
+    second does not wait for the first's start-up. The toy script stands in for megatron: it prints one loss line
+    per iteration naming every rank's host, and honours the last --train-iters, here the positional one given to
+    sbatch. Their torchruns meet on node 1 at ports of their own."""
+    return {
+        "toy": submit_job(slurm_cluster, tmp_path_factory.mktemp("toy"), "--train-iters", "3", PP="2",
+                          TRAIN_ITERS="7", TRAIN_SCRIPT=str(TOY_SCRIPT), MASTER_PORT="29511"),
+        "pretrain": submit_job(slurm_cluster, tmp_path_factory.mktemp("pretrain"), PP="2", TRAIN_ITERS="5",
+                               SCHEDULE="zb-h1", LR="1e-3"),
+    }
 
 
 def rank_outputs(tmp_path: Path) -> str:
@@ -217,23 +245,19 @@ def rank_outputs(tmp_path: Path) -> str:
     return "\n".join(path.read_text() for path in sorted((tmp_path / "logs").rglob("stdout.log")))
 
 
-def test_launcher_starts_one_rank_per_node_and_passes_arguments_through_sbatch(slurm_cluster, tmp_path):
-    # The toy script stands in for megatron: it prints one loss line per iteration naming every rank's
-    # host, and honours the last --train-iters, here the positional one given to sbatch.
-    state, exit_code, output = run_job(slurm_cluster, tmp_path, 120, "--train-iters", "3", PP="2",
-                                       TRAIN_ITERS="7", TRAIN_SCRIPT=str(TOY_SCRIPT))
+def test_launcher_starts_one_rank_per_node_and_passes_arguments_through_sbatch(jobs):
+    state, exit_code, output = wait_job(jobs["toy"], 120)
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    printed = rank_outputs(tmp_path)
+    printed = rank_outputs(jobs["toy"].work)
     losses = re.findall(r"iteration (\d+)/3 \| lm loss: (\S+) \| hosts: (\S+)", printed)
     assert [int(i) for i, _, _ in losses] == [1, 2, 3], output + printed
     assert {hosts for _, _, hosts in losses} == {"mzb-n1,mzb-n2"}  # rank 0 on node 1, rank 1 on node 2
 
 
-def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(slurm_cluster, tmp_path):
-    state, exit_code, output = run_job(slurm_cluster, tmp_path, 240, PP="2", TRAIN_ITERS="5",
-                                       SCHEDULE="zb-h1", LR="1e-3")
+def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(jobs):
+    state, exit_code, output = wait_job(jobs["pretrain"], 240)
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    printed = rank_outputs(tmp_path)
+    printed = rank_outputs(jobs["pretrain"].work)
     assert "using world size: 2" in printed and "pipeline-model-parallel size: 2" in printed, output + printed
     assert re.search(r"zero-bubble.*zb-h1", printed), "the zero-bubble schedule did not run:\n" + output + printed
     iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", printed)
