@@ -75,7 +75,9 @@ def _missing_requirements(items) -> dict[str, str]:
 # ---------------------------------------------------------------- launches started early
 
 
-_BACKGROUND: list = []  # launches started when the tests were collected, stopped at the session's end
+# Launches started when the tests were collected, stopped at that session's end. Kept in the session's own config:
+# a pytest session run inside a test (pytester, with this conftest) must not stop the outer session's launches.
+_BACKGROUND = pytest.StashKey[list]()
 
 
 def pytest_collection_finish(session):
@@ -89,13 +91,15 @@ def pytest_collection_finish(session):
             if getattr(fixture, "background_start", None) is not None:
                 starts.setdefault(fixture.background_start, None)
     factory = session.config._tmp_path_factory  # pytest's own, as the tmp_path_factory fixture hands it out
+    started = session.config.stash.setdefault(_BACKGROUND, [])
     for start in starts:
-        _BACKGROUND.extend(start(factory))
+        started.extend(start(factory))
 
 
 def pytest_sessionfinish(session):
-    while _BACKGROUND:
-        _BACKGROUND.pop().stop()
+    started = session.config.stash.get(_BACKGROUND, [])
+    while started:
+        started.pop().stop()
 
 
 # ---------------------------------------------------------------- no unmarked process starts

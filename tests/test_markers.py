@@ -104,3 +104,27 @@ def test_tests_that_need_cuda_or_transformer_engine_skip_with_the_reason_where_i
         result.stdout.fnmatch_lines(["*needs CUDA (torch.cuda.is_available() is False here)*"])
     if not have["te"]:
         result.stdout.fnmatch_lines(["*needs Transformer Engine (transformer_engine is not installed)*"])
+
+
+def test_a_pytest_session_inside_a_test_leaves_the_suites_background_launches_running(pytester, request, monkeypatch):
+    """A session run by pytester with this suite's conftest ends with its pytest_sessionfinish: that must stop only
+    what that session started, not the pretrain driver this session started in the background."""
+    from tests import conftest
+
+    class Launch:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    launch = Launch()
+    started = request.config.stash.setdefault(conftest._BACKGROUND, [])
+    started.append(launch)
+    try:
+        pytester.makeconftest("from tests.conftest import *  # noqa: F401,F403 (this suite's hooks)")
+        pytester.makepyfile(test_inner="def test_inner():\n    pass\n")
+        monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+        assert not launch.stopped
+    finally:
+        started.remove(launch)
