@@ -328,7 +328,8 @@ CHUNKED_FAVOURITES = tuple(("memory", rule) for rule in (
 ))
 CHUNKED_RUNS = 24  # most greedy runs with several chunks: favourites, then other rules and orders
 # Up to this many passes the plan is also compared with interleaved 1F1B split into B and W (which the greedy can
-# lose to with few microbatches per chunk, but never did on the paper's rows at v = 2 and 4).
+# lose to with few microbatches per chunk, but never did on the paper's rows at v = 2 and 4); above it, only where
+# megatron's bubble formula says the baseline may be shorter (may_lose_to_interleaved).
 BASELINE_PASSES = 100_000
 
 
@@ -414,6 +415,14 @@ def split_interleaved(problem: Problem) -> Plan | None:
     return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), "interleaved 1F1B, backward split")
 
 
+def may_lose_to_interleaved(problem: Problem, plan: Plan) -> bool:
+    """Whether interleaved 1F1B could be shorter than `plan`, estimated by megatron's bubble formula: the busiest
+    rank's work and (p-1)/(v m) of it idle. Large plans are compared with the baseline only then (building and
+    simulating it takes seconds there); the greedy lost to it by far at v = 8, p = 32, m = 256."""
+    busiest = max(problem.busy(r) for r in range(problem.stages))
+    return plan.span > busiest * (1 + (problem.stages - 1) / (problem.chunks * problem.microbatches))
+
+
 def default_memory_limit(stages: int) -> float:
     """ZB-2p: twice 1F1B's peak, in in-flight microbatches (the registry, planners.SCHEDULES, reads it here)."""
     return 2 * stages
@@ -469,7 +478,7 @@ def zb_auto(
             )
     plan = best_heuristic(problem)
     small = 3 * stages * chunks * microbatches <= BASELINE_PASSES
-    baseline = split_interleaved(problem) if chunks > 1 and small else None
+    baseline = split_interleaved(problem) if chunks > 1 and (small or may_lose_to_interleaved(problem, plan)) else None
     if baseline is not None and baseline.span < plan.span * (1 - 1e-12):
         plan = baseline
     notes = {**limit.to_info(), "heuristic": plan.label, "heuristic_span": plan.span}
