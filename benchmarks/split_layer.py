@@ -69,12 +69,18 @@ def build_layer(impl: str, hidden: int, heads: int, dtype: torch.dtype, device: 
         apply_rope_fusion=False, use_cpu_initialization=device == "cpu")
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te
             else gpt_layer_specs.get_gpt_layer_local_spec())
-    layer = build_module(spec, config=config, layer_number=1).to(device)
-    for param in layer.parameters():  # megatron DDP's main_grad and its backward hook (no reduction: one rank)
+    return with_megatron_ddp_main_grads(build_module(spec, config=config, layer_number=1).to(device), device)
+
+
+def with_megatron_ddp_main_grads(module, device):
+    """Each parameter of `module` as megatron DDP sets it up on one rank (no reduction): an fp32 main_grad, the
+    grad_added_to_main_grad flag that gradient-accumulation fusion sets, and the hook that adds what autograd
+    accumulated into main_grad. Returns `module`."""
+    for param in module.parameters():
         param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=device)
         param.grad_added_to_main_grad = False
         param.register_post_accumulate_grad_hook(_ddp_hook)
-    return layer
+    return module
 
 
 def _ddp_hook(param) -> None:

@@ -9,6 +9,7 @@ megatron GPT layer of TE's spec, fused against split (benchmarks/split_layer.py)
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -49,17 +50,18 @@ def _make(kind: str, fuse: bool, seed: int = 0):
     else:
         module = te.GroupedLinear(2, HIDDEN, FFN, **options)
     if fuse:  # megatron DDP: main_grad, grad_added_to_main_grad and its per-parameter hook
-        for param in module.parameters():
-            param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device="cuda")
-            param.grad_added_to_main_grad = False
-            param.register_post_accumulate_grad_hook(_ddp_hook)
+        return _split_layer().with_megatron_ddp_main_grads(module, "cuda")
     return module
 
 
-def _ddp_hook(param) -> None:
-    if param.grad is not None and not param.grad_added_to_main_grad:
-        param.main_grad.add_(param.grad.data)
-    param.grad = None
+@functools.lru_cache(maxsize=None)
+def _split_layer():
+    """benchmarks/split_layer.py, loaded as a module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "split_layer.py"
+    spec = importlib.util.spec_from_file_location("split_layer", path)
+    split_layer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split_layer)
+    return split_layer
 
 
 def _forward(module, x):
@@ -147,10 +149,7 @@ def test_w_runs_in_b_order_and_reports_every_te_weight_and_bias_once():
 @pytest.mark.parametrize("impl", ["local", "transformer_engine"])
 def test_one_megatron_gpt_layer_split_matches_its_fused_backward(impl):
     _skip_unless_supported(True)
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "split_layer.py"
-    spec = importlib.util.spec_from_file_location("split_layer", path)
-    split_layer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(split_layer)
+    split_layer = _split_layer()
     split_layer._set_up("cuda")
     result = split_layer.measure(impl, 1024, 16, 2, 512, torch.bfloat16, 1, "cuda")
     assert result["bit_identical"], result["first_difference"]
