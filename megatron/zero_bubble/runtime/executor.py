@@ -10,6 +10,7 @@ through `StepValidation`.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -196,18 +197,18 @@ class PipelineExecutor:
                                                     decoder_seq_length)
         device = current_device()
         stores = self._stores_for(chunks, schedule.uses_split_backward())
+        run = MegatronRun(forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(),
+                          forward_only, collect_non_loss_data, first_val_step, pg_collection, force_all_reduce)
         check = self.split_check
         if check is not None and not check.done and not forward_only and schedule.uses_split_backward():
-            iterators = self._check_split(check, schedule, rank, stores, MegatronRun(
-                forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(), False, False,
-                first_val_step, pg_collection, force_all_reduce), shape, device)
+            # the check trains on the same arguments, its losses kept apart from the iteration's
+            run.iterators = self._check_split(check, schedule, rank, stores, dataclasses.replace(
+                run, collect_non_loss_data=False, forward_data_store=[]), shape, device)
         rollback = lowered.rollback(rank)
         rewind = None
         if rollback is not None and validation.has_pending:  # the V pass may ask for a replay
-            rewind = Rewind(iterators, self.megatron, self.megatron.forward_accumulators(chunks))
-            iterators = rewind.iterators
-        run = MegatronRun(forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(),
-                          forward_only, collect_non_loss_data, first_val_step, pg_collection, force_all_reduce)
+            rewind = Rewind(run.iterators, self.megatron, self.megatron.forward_accumulators(chunks))
+            run.iterators = rewind.iterators
         iteration = Iteration(
             schedule=lowered.schedule, rank=rank,
             compute=MegatronPasses(self.megatron, run, device, tokens_divided_later=validation is not None),
