@@ -11,8 +11,8 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_options, layout_of, multi_chunk_schedules,
-                                  natural_chunks, plan)
+from ..schedules.planners import (SCHEDULES, PlanRequest, accepts_chunks, conflicting_options, layout_of,
+                                  multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
@@ -427,10 +427,11 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
     check_without_zero_bubble(args)
     check_paths(args)
     schedule, flag = check_flags(args)
-    if given(argv, "--zero-bubble-ilp-time-limit") and schedule != "zb-auto":
+    if given(argv, "--zero-bubble-ilp-time-limit") and (schedule is None or not schedule_kind(schedule).ilp):
         chosen = flag or "megatron's own schedule"
-        raise StartupRefusal(f"--zero-bubble-ilp-time-limit bounds the ILP of zb-auto's planner, which {chosen} does "
-                             f"not use; drop the flag")
+        planners = " / ".join(name for name, kind in SCHEDULES.items() if kind.ilp)  # the registry's, as the CLI's
+        raise StartupRefusal(f"--zero-bubble-ilp-time-limit bounds the ILP of {planners}'s planner, which {chosen} "
+                             f"does not use; drop the flag")
     if schedule is None:
         return None
     options = check_zero_bubble(args, schedule, flag)
