@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import time
 
 import pytest
 
 from tests import markers
 
+# megatron.core's first import asks git for a version suffix (a process, refused in a test without the `launches`
+# mark, and started again in every rank this suite launches): its version string is not what any test reads
+os.environ.setdefault("NO_VCS_VERSION", "1")
+
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks added here
 def pytest_collection_modifyitems(items):
-    # the modules whose launches start in the background go last: the other tests run beside those launches
-    late = {item.module for item in items
-            if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
-    items.sort(key=lambda item: getattr(item, "module", None) in late)
     missing = _missing_requirements(items)
     for item in items:
         for fixture in _fixture_functions(item):
@@ -41,6 +42,16 @@ def pytest_collection_modifyitems(items):
         for name, reason in missing.items():
             if item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
+    _order_beside_the_background_launches(items)
+
+
+def _order_beside_the_background_launches(items) -> None:
+    """The launches of markers.starts_in_background run from collection on and keep both cores busy for minutes:
+    the tests that start no process (one core) go first, beside them; then the launching ones; the modules whose
+    launches started in the background last (their tests wait for them)."""
+    late = {item.module for item in items
+            if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
+    items.sort(key=lambda item: (getattr(item, "module", None) in late, item.get_closest_marker("launches") is not None))
 
 
 def _fixture_functions(item) -> list:

@@ -52,7 +52,7 @@ def test_the_launching_fixtures_and_tests_of_the_suite_are_found(request):
     from tests.megatron import test_pretrain_gpt, test_runtime_exactness
     from tests.slurm import test_slurm_launcher
 
-    for fixture in (test_runtime_exactness.reports, test_pretrain_gpt.runs, test_slurm_launcher.slurm_cluster):
+    for fixture in (test_runtime_exactness.reports, test_pretrain_gpt.runs, test_slurm_launcher.jobs):
         assert markers.launches_processes(getattr(fixture, "__wrapped__", fixture)), fixture
     assert request.node.get_closest_marker("launches") is None  # and this test, which starts none, is quick
 

@@ -89,6 +89,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 # Schedule a batch job as soon as it is submitted (the default waits up to 3 s).
 SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+# Without accounting, scontrol knows a finished job only while slurmctld keeps it (default 300 s): keep it an hour,
+# so that a job submitted early can be read when it is looked at.
+MinJobAge=3600
 EOF
   # Both "nodes" share this machine's cores; each may use all of them.
   local i cpus

@@ -6,6 +6,7 @@ job's output. They skip, saying why, where the machine cannot run SLURM (not roo
 cluster that does not start fails them, with the script's output.
 """
 import dataclasses
+import json
 import os
 import re
 import shlex
@@ -18,6 +19,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script (ClusterLaunch)
+    sys.path.insert(0, str(REPO))
+
+from tests.markers import starts_in_background  # noqa: E402
+from tests.megatron.pretrain_driver import Background  # noqa: E402
+
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm" / "local_cluster.sh"
 TOY_SCRIPT = Path(__file__).resolve().parent / "toy_pipeline.py"
@@ -162,24 +169,13 @@ class Cluster:
     failure: str = ""  # why it did not start
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster():
-    """Yields the cluster (its start is checked by each test: a cluster that does not start fails them); stops it
-    afterwards, whatever happened."""
-    reason = cannot_run_slurm()
-    if reason:
-        pytest.skip(reason)
-    started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True,
-                             timeout=300)
-    try:
-        conf = re.search(r"SLURM_CONF=(\S+)", started.stderr)
-        if started.returncode != 0 or conf is None:
-            yield Cluster({}, f"local SLURM cluster did not start (exit {started.returncode}):\n"
-                              f"{started.stdout.strip()[-800:]}\n{started.stderr.strip()[-1600:]}")
-        else:
-            yield Cluster({"SLURM_CONF": conf.group(1)})
-    finally:
-        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
+def start_cluster() -> Cluster:
+    started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True, timeout=300)
+    conf = re.search(r"SLURM_CONF=(\S+)", started.stderr)
+    if started.returncode != 0 or conf is None:
+        return Cluster({}, f"local SLURM cluster did not start (exit {started.returncode}):\n"
+                           f"{started.stdout.strip()[-800:]}\n{started.stderr.strip()[-1600:]}")
+    return Cluster({"SLURM_CONF": conf.group(1)})
 
 
 def job_state(job_id: str, env: dict) -> dict:
@@ -198,8 +194,6 @@ class Job:
 
 def submit_job(cluster: Cluster, work: Path, *args: str, **knobs: str) -> Job:
     """Submits the launcher on two nodes (LOG_DIR under `work`); the job runs while other tests do."""
-    if cluster.failure:
-        pytest.fail(cluster.failure, pytrace=False)
     env = clean_environment(**cluster.env, CPU="1", MODEL="tiny", LOG_DIR=str(work / "logs"),
                             TORCHRUN=f"{sys.executable} -m torch.distributed.run", **knobs)
     output = work / "job.out"
@@ -209,6 +203,20 @@ def submit_job(cluster: Cluster, work: Path, *args: str, **knobs: str) -> Job:
          str(SBATCH_SCRIPT), *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
     return Job(job_id, env, output, work)
+
+
+def submit_both_jobs(cluster: Cluster, work: Path) -> dict[str, Job]:
+    """Both jobs, submitted together: the cluster runs them side by side (each node has room for two ranks), so the
+    second does not wait for the first's start-up. The toy script stands in for megatron: it prints one loss line
+    per iteration naming every rank's host, and honours the last --train-iters, here the positional one given to
+    sbatch. Their torchruns meet on node 1 at ports of their own."""
+    (work / "toy").mkdir(exist_ok=True)
+    (work / "pretrain").mkdir(exist_ok=True)
+    return {
+        "toy": submit_job(cluster, work / "toy", "--train-iters", "3", PP="2", TRAIN_ITERS="7",
+                          TRAIN_SCRIPT=str(TOY_SCRIPT), MASTER_PORT="29511"),
+        "pretrain": submit_job(cluster, work / "pretrain", PP="2", TRAIN_ITERS="5", SCHEDULE="zb-h1", LR="1e-3"),
+    }
 
 
 def wait_job(job: Job, timeout_s: float) -> tuple:
@@ -225,18 +233,72 @@ def wait_job(job: Job, timeout_s: float) -> tuple:
     return state["JobState"], state.get("ExitCode"), job.output.read_text() if job.output.exists() else ""
 
 
+class ClusterLaunch:
+    """This file run as a script (`start WORK`) in the background: it starts the cluster and submits both jobs, and
+    writes what came of it to WORK/launch.json; stop() stops the cluster (whatever the script got to)."""
+
+    def __init__(self, work: Path):
+        self.work, self.stopped = work, False
+        self.launch = Background("slurm", [sys.executable, __file__, "start", str(work)], str(work), timeout=400)
+
+    def result(self) -> tuple[Cluster, dict[str, Job]]:
+        done = self.launch.result()
+        path = self.work / "launch.json"
+        if done.returncode != 0 or not path.exists():
+            return Cluster({}, f"starting the cluster and submitting the jobs failed (exit {done.returncode}):\n"
+                               f"{done.stdout[-800:]}\n{done.stderr[-1600:]}"), {}
+        found = json.loads(path.read_text())
+        cluster = Cluster(found["env"], found["failure"])
+        return cluster, {name: Job(job["job_id"], job["env"], Path(job["output"]), Path(job["work"]))
+                         for name, job in found["jobs"].items()}
+
+    def stop(self) -> None:
+        if not self.stopped:  # the module's end stops it, and the session's end stops every launch
+            self.stopped = True
+            self.launch.stop()
+            subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
+
+
+def _start_in_background_script(work: Path) -> None:
+    cluster = start_cluster()
+    jobs = {} if cluster.failure else submit_both_jobs(cluster, work)
+    found = {"env": cluster.env, "failure": cluster.failure,
+             "jobs": {name: {"job_id": job.job_id, "env": job.env, "output": str(job.output), "work": str(job.work)}
+                      for name, job in jobs.items()}}
+    (work / "launch.json").write_text(json.dumps(found))
+
+
+_STARTED: dict = {}
+
+
+def _start_cluster_and_jobs(tmp_path_factory) -> list[ClusterLaunch]:
+    """The cluster and both jobs, started once (by conftest.py as soon as the tests are collected: they run beside
+    the other tests); nothing where this machine cannot run SLURM (the tests skip)."""
+    if "cluster" not in _STARTED and not cannot_run_slurm():
+        _STARTED["cluster"] = ClusterLaunch(tmp_path_factory.mktemp("slurm"))
+    return [_STARTED["cluster"]] if "cluster" in _STARTED else []
+
+
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Job]:
-    """Both jobs, submitted together: the cluster runs them side by side (each node has room for two ranks), so the
-    second does not wait for the first's start-up. The toy script stands in for megatron: it prints one loss line
-    per iteration naming every rank's host, and honours the last --train-iters, here the positional one given to
-    sbatch. Their torchruns meet on node 1 at ports of their own."""
-    return {
-        "toy": submit_job(slurm_cluster, tmp_path_factory.mktemp("toy"), "--train-iters", "3", PP="2",
-                          TRAIN_ITERS="7", TRAIN_SCRIPT=str(TOY_SCRIPT), MASTER_PORT="29511"),
-        "pretrain": submit_job(slurm_cluster, tmp_path_factory.mktemp("pretrain"), PP="2", TRAIN_ITERS="5",
-                               SCHEDULE="zb-h1", LR="1e-3"),
-    }
+@starts_in_background(_start_cluster_and_jobs)
+def jobs(tmp_path_factory) -> dict[str, Job]:
+    """Both jobs on the local two-node cluster (a cluster that does not start fails each test, with the script's
+    output); the cluster is stopped afterwards, whatever happened."""
+    reason = cannot_run_slurm()
+    if reason:
+        pytest.skip(reason)
+    (launch,) = _start_cluster_and_jobs(tmp_path_factory)
+    try:
+        cluster, submitted = launch.result()
+        yield {"failure": cluster.failure, **submitted}
+    finally:
+        _STARTED.pop("cluster").stop()
+
+
+def _job(jobs: dict, name: str) -> Job:
+    if jobs["failure"]:
+        pytest.fail(jobs["failure"], pytrace=False)
+    return jobs[name]
 
 
 def rank_outputs(tmp_path: Path) -> str:
@@ -246,20 +308,26 @@ def rank_outputs(tmp_path: Path) -> str:
 
 
 def test_launcher_starts_one_rank_per_node_and_passes_arguments_through_sbatch(jobs):
-    state, exit_code, output = wait_job(jobs["toy"], 120)
+    toy = _job(jobs, "toy")
+    state, exit_code, output = wait_job(toy, 120)
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    printed = rank_outputs(jobs["toy"].work)
+    printed = rank_outputs(toy.work)
     losses = re.findall(r"iteration (\d+)/3 \| lm loss: (\S+) \| hosts: (\S+)", printed)
     assert [int(i) for i, _, _ in losses] == [1, 2, 3], output + printed
     assert {hosts for _, _, hosts in losses} == {"mzb-n1,mzb-n2"}  # rank 0 on node 1, rank 1 on node 2
 
 
 def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(jobs):
-    state, exit_code, output = wait_job(jobs["pretrain"], 240)
+    pretrain = _job(jobs, "pretrain")
+    state, exit_code, output = wait_job(pretrain, 240)
     assert (state, exit_code) == ("COMPLETED", "0:0"), output
-    printed = rank_outputs(jobs["pretrain"].work)
+    printed = rank_outputs(pretrain.work)
     assert "using world size: 2" in printed and "pipeline-model-parallel size: 2" in printed, output + printed
     assert re.search(r"zero-bubble.*zb-h1", printed), "the zero-bubble schedule did not run:\n" + output + printed
     iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", printed)
     assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output + printed
     assert all(0 < float(loss) < 10 for _, loss in iterations)  # ln(128) = 4.85 at the start
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "start":
+    _start_in_background_script(Path(sys.argv[2]))

@@ -22,10 +22,12 @@ from .layer_layout import layer_counts_of
 
 
 def prepare_process() -> None:
-    """Import shims (no triton, Python 3.11); without CUDA, the CPU backend for megatron.training."""
-    from ..patches import imports
+    """Import shims (no triton, Python 3.11), megatron's flag help texts read once per process (each start-up
+    parses three times); without CUDA, the CPU backend for megatron.training."""
+    from ..patches import argument_docstrings, imports
 
     imports.install()
+    argument_docstrings.install()
     import torch
 
     if not torch.cuda.is_available():
