@@ -111,3 +111,31 @@ def test_the_planning_layer_imports_no_torch():
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
     code += "assert 'torch' not in sys.modules, 'torch was imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_runs_without_the_cyclic_collector_and_leaves_it_as_it_was(enabled):
+    """A plan of 16 stages allocates enough for many automatic collections; none runs while it is built (planners
+    create no garbage cycles worth collecting) and the collector is on again afterwards if it was on before."""
+    import gc
+
+    while_planning = []
+
+    def seen(phase, info):
+        frame = sys._getframe()
+        while frame is not None and frame.f_code is not planners._plan_with_timeline.__code__:
+            frame = frame.f_back
+        if phase == "start":
+            while_planning.append(frame is not None)
+
+    (gc.enable if enabled else gc.disable)()
+    gc.callbacks.append(seen)
+    try:
+        schedule = plan("zb-v", PlanRequest(stages=16, microbatches=64))
+        assert gc.isenabled() == enabled
+        gc.collect()  # an explicit collection: the callback sees collections
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
+    assert while_planning[-1] is False and not any(while_planning)
+    assert schedule.info["predicted"]["bubble_rate"] >= 0

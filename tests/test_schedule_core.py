@@ -100,6 +100,7 @@ def test_validator_accepts_split_schedule():
         (lambda r: r[2].remove(Pass("W", 3)), "rank 2 has no W for microbatch 3"),
         (lambda r: r[1].insert(0, r[1].pop(r[1].index(Pass("W", 0)))), "rank 1 runs W of microbatch 0 before its B"),
         (lambda r: r[0].append(Pass("F", 1)), "rank 0 runs F of microbatch 1 twice"),
+        (lambda r: r[1].append(Pass("BW", 2)), "rank 1 runs both a fused BW and a split B/W for microbatch 2"),
         (lambda r: _move_after(r[3], Pass("W", 1), Pass("W", 2)), "rank 3 runs W of microbatch 2 before the W of microbatch 1"),
         (lambda r: r[3].append(Pass("F", 9)), "outside microbatches"),
         # rank 0 waits for the gradient of microbatch 0 before sending F1, which rank 1 needs first

@@ -22,8 +22,8 @@ from pathlib import Path
 from .costs import DEFAULT_MW_RATIO, TIME_UNITS, Costs
 from .draw import (check_picture_path, comparison_table, draw, draw_budget_curve, draw_stacked, render_text,
                    simulation_report)
-from .planners import (SCHEDULE_NAMES, SCHEDULES, PlanRequest, accepts_chunks, default_memory_limit, layout_of,
-                       multi_chunk_schedules, natural_chunks, plan_with_timeline, schedule_kind)
+from .planners import (SCHEDULE_NAMES, SCHEDULES, PlanRequest, accepts_chunks, collector_paused, default_memory_limit,
+                       layout_of, multi_chunk_schedules, natural_chunks, plan_with_timeline, schedule_kind)
 from .post_validation import with_post_validation
 from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
@@ -372,7 +372,8 @@ def draw_tradeoff(args, rows, path) -> None:
     progress = _Progress("tradeoff", what=f"the V planner's budgets from V-Min's to p M_B, p={args.stages}, "
                          f"m={args.microbatches}")
     try:
-        curve = budget_curve(args.stages, args.microbatches, costs, progress)
+        with collector_paused():
+            curve = budget_curve(args.stages, args.microbatches, costs, progress)
     finally:
         progress.finish()
     by_level = {level: (budget, bubble) for level, budget, bubble in curve}

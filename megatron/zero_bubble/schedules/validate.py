@@ -36,14 +36,16 @@ def check_structure(schedule: Schedule) -> None:
         raise ScheduleError(f"layout 'v' holds two chunks per rank, but the schedule says {s.chunks}")
     if len(s.ranks) != s.stages:
         raise ScheduleError(f"the schedule lists {len(s.ranks)} ranks but says stages={s.stages}")
-    for rank, _, p in s.passes():
-        if not facts(p.op).per_microbatch:  # no microbatch of its own: check_once_per_rank checks it
-            continue
-        if not 0 <= p.mb < s.microbatches:
-            raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
-        if not 0 <= p.chunk < s.chunks:
-            raise ScheduleError(f"rank {rank} runs {p.describe()}, outside chunks 0..{s.chunks - 1}")
-    present = {p.op for _, _, p in s.passes()}
+    once = set(per_rank_ops())  # no microbatch of its own: check_once_per_rank checks those
+    for rank, passes in enumerate(s.ranks):
+        for p in passes:
+            if p.op in once:
+                continue
+            if not 0 <= p.mb < s.microbatches:
+                raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
+            if not 0 <= p.chunk < s.chunks:
+                raise ScheduleError(f"rank {rank} runs {p.describe()}, outside chunks 0..{s.chunks - 1}")
+    present = {p.op for passes in s.ranks for p in passes}
     for op in per_rank_ops():
         if op in present:
             check_once_per_rank(s, op)
@@ -81,29 +83,43 @@ def check_once_per_rank(schedule: Schedule, op) -> None:
 def check_coverage(schedule: Schedule) -> None:
     """Each (microbatch, chunk) on each rank gets F, B and W done exactly once (BW does B and W), every pass
     after the same-stage passes it needs, and W passes in the order of their B."""
+    # per op: whether it has a microbatch, the ops of its own stage it needs, the work it completes
+    rows = {op: (f.per_microbatch, tuple(need.op for need in f.needs if need.offset == 0), f.completes)
+            for op, f in ((op, facts(op)) for op in OPS)}
+    expected = schedule.chunks * schedule.microbatches * len(MICROBATCH_WORK)
     for rank, passes in enumerate(schedule.ranks):
-        seen: dict[tuple[str, int, int], int] = {}
+        seen: dict[tuple[str, int, int], int] = {}  # (op, mb, chunk): a Pass is that tuple
+        done: dict[tuple, int] = {}  # (work, mb, chunk) -> how many passes do it
         for pos, p in enumerate(passes):
-            f = facts(p.op)
-            if not f.per_microbatch:  # no microbatch: check_once_per_rank covers it
+            per_microbatch, same_stage, completes = rows[p.op]
+            if not per_microbatch:  # no microbatch: check_once_per_rank covers it
                 continue
-            key = (p.op, p.mb, p.chunk)
-            if key in seen:
-                raise ScheduleError(f"rank {rank} runs {p.describe()} twice (passes {seen[key]} and {pos})")
-            seen[key] = pos
-            for need in f.needs:
-                if need.offset == 0 and (need.op, p.mb, p.chunk) not in seen:
-                    raise ScheduleError(f"rank {rank} runs {p.describe()} before its {need.op}")
-        for chunk in range(schedule.chunks):
-            for mb in range(schedule.microbatches):
-                where = f"microbatch {mb}" + (f" (chunk {chunk})" if chunk else "")
-                done = [work for op in OPS if (op, mb, chunk) in seen for work in facts(op).completes]
-                for work in MICROBATCH_WORK:
-                    if work not in done:
-                        raise ScheduleError(f"rank {rank} has no {work} for {where}")
-                    if done.count(work) > 1:  # two passes do it: only a fused and a split backward can
-                        raise ScheduleError(f"rank {rank} runs both a fused BW and a split B/W for {where}")
+            if p in seen:
+                raise ScheduleError(f"rank {rank} runs {p.describe()} twice (passes {seen[p]} and {pos})")
+            seen[p] = pos
+            for need in same_stage:
+                if (need, p.mb, p.chunk) not in seen:
+                    raise ScheduleError(f"rank {rank} runs {p.describe()} before its {need}")
+            for work in completes:
+                key = (work, p.mb, p.chunk)
+                done[key] = done.get(key, 0) + 1
+        # microbatches and chunks are in range (check_structure): all there, each once, is this many
+        if len(done) != expected or len(done) != sum(done.values()):
+            _explain_missing_work(rank, schedule, seen)
         _check_w_follows_b(rank, passes)
+
+
+def _explain_missing_work(rank: int, schedule: Schedule, seen: dict) -> None:
+    """The first (microbatch, chunk) of the rank whose work is not done exactly once, in one sentence."""
+    for chunk in range(schedule.chunks):
+        for mb in range(schedule.microbatches):
+            where = f"microbatch {mb}" + (f" (chunk {chunk})" if chunk else "")
+            done = [work for op in OPS if (op, mb, chunk) in seen for work in facts(op).completes]
+            for work in MICROBATCH_WORK:
+                if work not in done:
+                    raise ScheduleError(f"rank {rank} has no {work} for {where}")
+                if done.count(work) > 1:  # two passes do it: only a fused and a split backward can
+                    raise ScheduleError(f"rank {rank} runs both a fused BW and a split B/W for {where}")
 
 
 def _check_w_follows_b(rank: int, passes) -> None:
