@@ -24,15 +24,16 @@ from tests.markers import marks_tests, starts_in_background
 from tests.megatron import pretrain_driver as driver
 from tests.megatron import process_groups
 from tests.megatron.pretrain_driver import REPO
-ITERS = 6
+ITERS = 5
 MODEL = (
     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
     "--micro-batch-size 2 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
     "--hidden-dropout 0 --attention-dropout 0 --init-weights-by-global-name --seed 1234"
 ).split()
+EVAL_INTERVAL = 3
 TRAIN = (
     f"--train-iters {ITERS} --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --num-workers 0 "
-    "--log-interval 1 --log-params-norm --eval-iters 1 --eval-interval 3"
+    f"--log-interval 1 --log-params-norm --eval-iters 1 --eval-interval {EVAL_INTERVAL}"
 ).split()
 PP4 = ["--pipeline-model-parallel-size", "4"]
 # Megatron's grad norm (and params norm) adds one partial norm per rank, so its last bit depends on which layers
@@ -407,7 +408,7 @@ def test_moe_with_post_validation_prints_megatrons_iteration_lines_and_moe_loss(
     load-balancing loss megatron averages over the iterations since the last line (here two) is the same."""
     ours, reference = runs["pp4/moe/post-validation/fp16"], runs["pp4/moe/megatron/fp16"]
     assert _iteration_lines(ours) == _iteration_lines(reference)
-    assert sorted(iteration_figures(reference)) == [1, 2, 4, 6] and "load_balancing_loss" in reference
+    assert sorted(iteration_figures(reference)) == [1, *range(2, ITERS + 1, 2)] and "load_balancing_loss" in reference
     assert validation_losses(ours) == validation_losses(reference) != []
     assert "number of skipped iterations:   1" in reference  # the fp16 overflows were exercised
     assert sum(int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", ours)) >= 1
@@ -441,7 +442,9 @@ def _resumes_like(resumed: str, uninterrupted: str, first: int, norms_to_the_pri
                 assert abs(float(got) - float(expected)) <= 0.0011, f"{key} at iteration {iteration}"
             else:
                 assert got == expected, f"{key} at iteration {iteration}"
-    assert validation_losses(resumed)[-3:] == validation_losses(uninterrupted)[-3:] != []
+    # the evaluations after the checkpoint: every EVAL_INTERVAL iterations, then the validation and test sets at the end
+    after = sum(1 for iteration in range(first, ITERS + 1) if iteration % EVAL_INTERVAL == 0) + 2
+    assert validation_losses(resumed) == validation_losses(uninterrupted)[-after:] != []
 
 
 @pytest.mark.parametrize("resumed, saved", [("pp4/zb-v/from-megatron", "pp4/megatron/no-clip"),
