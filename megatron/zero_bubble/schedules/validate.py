@@ -36,16 +36,16 @@ def check_structure(schedule: Schedule) -> None:
         raise ScheduleError(f"layout 'v' holds two chunks per rank, but the schedule says {s.chunks}")
     if len(s.ranks) != s.stages:
         raise ScheduleError(f"the schedule lists {len(s.ranks)} ranks but says stages={s.stages}")
-    once = set(per_rank_ops())  # no microbatch of its own: check_once_per_rank checks those
+    once, present = set(per_rank_ops()), set()  # no microbatch of their own: check_once_per_rank checks those
     for rank, passes in enumerate(s.ranks):
         for p in passes:
             if p.op in once:
+                present.add(p.op)
                 continue
             if not 0 <= p.mb < s.microbatches:
                 raise ScheduleError(f"rank {rank} runs {p.describe()}, outside microbatches 0..{s.microbatches - 1}")
             if not 0 <= p.chunk < s.chunks:
                 raise ScheduleError(f"rank {rank} runs {p.describe()}, outside chunks 0..{s.chunks - 1}")
-    present = {p.op for passes in s.ranks for p in passes}
     for op in per_rank_ops():
         if op in present:
             check_once_per_rank(s, op)
