@@ -675,24 +675,27 @@ EARLY = ("conflicting schedule flags", "conflicting --pipeline-schedule", "zb-v 
          "zero-bubble option without a schedule", "timer window without the runtime")
 
 
+def _reported(done, tag: str):
+    """The JSON the refusals process printed on its line starting with `tag` (REFUSALS, EARLY_FLAGS, HELP,
+    MEGATRON_ASSERT)."""
+    line = next((line for line in done.stdout.splitlines() if line.startswith(tag + " ")), None)
+    assert line is not None, done.stderr[-4000:]
+    return json.loads(line[len(tag) + 1:])
+
+
 @pytest.fixture(scope="module")
 def refusals(side_launches) -> dict:
     done = side_launches["refusals"].result()
-    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
-    assert line is not None, done.stderr[-4000:]
+    found = _reported(done, "REFUSALS")
     refused = "".join(line for line in done.stdout.splitlines(True) if not line.startswith("HELP ")) + done.stderr
     assert "usage:" not in refused  # a bad megatron flag is one line too, not argparse's usage
-    flags = next(line for line in done.stdout.splitlines() if line.startswith("EARLY_FLAGS "))
-    return {**json.loads(line[len("REFUSALS "):]), "early flags": json.loads(flags[len("EARLY_FLAGS "):])}
+    return {**found, "early flags": _reported(done, "EARLY_FLAGS")}
 
 
 def test_help_lists_megatron_and_zero_bubble_flags(side_launches):
     """`pretrain_gpt.py --help` prints megatron's flags and ours (megatron-core 0.19.2 ships a help text with a stray
     '%' that makes argparse raise; the start-up code escapes it by argparse's own formatting rule)."""
-    done = side_launches["refusals"].result()
-    line = next((line for line in done.stdout.splitlines() if line.startswith("HELP ")), None)
-    assert line is not None, done.stderr[-4000:]
-    help_ = json.loads(line[len("HELP "):])
+    help_ = _reported(side_launches["refusals"].result(), "HELP")
     assert help_["status"] == 0
     for flag in ("--num-layers", "--enable-zero-bubble", "--zero-bubble-v-schedule", "--allow-padding-num-layers",
                  "--moe-paged-stash-buffer-size-factor-cuda"):
@@ -703,10 +706,7 @@ def test_a_failed_megatron_assert_is_one_line_naming_megatrons_check(side_launch
     """A mistake megatron's own argument validation catches with a bare assert (--save without --save-interval)
     stops the start-up with one line naming megatron's check (its file, line and asserted expression), exit
     status 2, not a traceback."""
-    done = side_launches["refusals"].result()
-    line = next((line for line in done.stdout.splitlines() if line.startswith("MEGATRON_ASSERT ")), None)
-    assert line is not None, done.stderr[-4000:]
-    stopped = json.loads(line[len("MEGATRON_ASSERT "):])
+    stopped = _reported(side_launches["refusals"].result(), "MEGATRON_ASSERT")
     errors = [line for line in stopped["stderr"].splitlines() if line.startswith("pretrain_gpt.py: error:")]
     assert stopped["status"] == 2 and len(errors) == 1, stopped
     assert "Traceback" not in stopped["stderr"] + stopped["stdout"]
