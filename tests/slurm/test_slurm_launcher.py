@@ -248,9 +248,9 @@ class ClusterLaunch:
             return Cluster({}, f"starting the cluster and submitting the jobs failed (exit {done.returncode}):\n"
                                f"{done.stdout[-800:]}\n{done.stderr[-1600:]}"), {}
         found = json.loads(path.read_text())
-        cluster = Cluster(found["env"], found["failure"])
-        return cluster, {name: Job(job["job_id"], job["env"], Path(job["output"]), Path(job["work"]))
-                         for name, job in found["jobs"].items()}
+        jobs = {name: Job(**{**job, "output": Path(job["output"]), "work": Path(job["work"])})
+                for name, job in found["jobs"].items()}
+        return Cluster(**found["cluster"]), jobs
 
     def stop(self) -> None:
         if not self.stopped:  # the module's end stops it, and the session's end stops every launch
@@ -262,10 +262,9 @@ class ClusterLaunch:
 def _start_in_background_script(work: Path) -> None:
     cluster = start_cluster()
     jobs = {} if cluster.failure else submit_both_jobs(cluster, work)
-    found = {"env": cluster.env, "failure": cluster.failure,
-             "jobs": {name: {"job_id": job.job_id, "env": job.env, "output": str(job.output), "work": str(job.work)}
-                      for name, job in jobs.items()}}
-    (work / "launch.json").write_text(json.dumps(found))
+    found = {"cluster": dataclasses.asdict(cluster),
+             "jobs": {name: dataclasses.asdict(job) for name, job in jobs.items()}}
+    (work / "launch.json").write_text(json.dumps(found, default=str))  # paths as strings
 
 
 _STARTED: dict = {}
@@ -281,24 +280,24 @@ def _start_cluster_and_jobs(tmp_path_factory) -> list[ClusterLaunch]:
 
 @pytest.fixture(scope="module")
 @starts_in_background(_start_cluster_and_jobs)
-def jobs(tmp_path_factory) -> dict[str, Job]:
-    """Both jobs on the local two-node cluster (a cluster that does not start fails each test, with the script's
-    output); the cluster is stopped afterwards, whatever happened."""
+def jobs(tmp_path_factory) -> tuple[Cluster, dict[str, Job]]:
+    """The cluster and both jobs on it (a cluster that does not start fails each test, with the script's output);
+    the cluster is stopped afterwards, whatever happened."""
     reason = cannot_run_slurm()
     if reason:
         pytest.skip(reason)
     (launch,) = _start_cluster_and_jobs(tmp_path_factory)
     try:
-        cluster, submitted = launch.result()
-        yield {"failure": cluster.failure, **submitted}
+        yield launch.result()
     finally:
         _STARTED.pop("cluster").stop()
 
 
-def _job(jobs: dict, name: str) -> Job:
-    if jobs["failure"]:
-        pytest.fail(jobs["failure"], pytrace=False)
-    return jobs[name]
+def _job(jobs: tuple[Cluster, dict[str, Job]], name: str) -> Job:
+    cluster, submitted = jobs
+    if cluster.failure:
+        pytest.fail(cluster.failure, pytrace=False)
+    return submitted[name]
 
 
 def rank_outputs(tmp_path: Path) -> str:
