@@ -23,7 +23,8 @@ from .costs import DEFAULT_MW_RATIO, TIME_UNITS, Costs
 from .draw import (check_picture_path, comparison_table, draw, draw_budget_curve, draw_stacked, render_text,
                    simulation_report)
 from .planners import (SCHEDULE_NAMES, SCHEDULES, PlanRequest, accepts_chunks, collector_paused, default_memory_limit,
-                       layout_of, multi_chunk_schedules, natural_chunks, plan_with_timeline, schedule_kind)
+                       ilp_schedules, layout_of, multi_chunk_schedules, natural_chunks, plan_with_timeline,
+                       schedule_kind)
 from .post_validation import with_post_validation
 from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
@@ -221,7 +222,7 @@ def plan_schedule(args, name: str, progress_stream=None) -> tuple[Schedule, Cost
     if ilp_time_limit < 0:
         raise UsageError(f"--ilp-time-limit must not be negative, got {ilp_time_limit}")
     if args.ilp_time_limit is not None and not schedule_kind(name).ilp and args.command != "compare":
-        raise UsageError(f"--ilp-time-limit applies to {', '.join(n for n, k in SCHEDULES.items() if k.ilp)}; "
+        raise UsageError(f"--ilp-time-limit applies to {', '.join(ilp_schedules())}; "
                          f"{name} has no ILP refinement: drop --ilp-time-limit")
     chunks = chunks_for(name, args)
     layout = layout_of(name, chunks)
@@ -433,7 +434,7 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
     common.add_argument("--mem-setup", choices=tuple(MEM_SETUPS), help="V schedules' budget in the reference "
                         "implementation's short form: min = floor((p+4)/3) M_B, half = floor((p+2)/2), zb = p "
                         "(instead of --memory-limit)")
-    ilp = ", ".join(name for name, kind in SCHEDULES.items() if kind.ilp)
+    ilp = ", ".join(ilp_schedules())
     common.add_argument("--ilp-time-limit", type=float, help=f"seconds for the ILP refinement of {ilp} (default "
                         f"{DEFAULT_ILP_TIME_LIMIT:g} s; 0: heuristic only)")
     common.add_argument("--debug", action="store_true", help="show tracebacks of internal errors")

@@ -23,7 +23,8 @@ from .simulate import Timeline
 from .validate import validate
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind", "accepts_chunks",
-           "collector_paused", "conflicting_options", "default_memory_limit", "layout_of", "multi_chunk_schedules",
+           "collector_paused", "conflicting_options", "default_memory_limit", "ilp_schedules", "layout_of",
+           "multi_chunk_schedules",
            "natural_chunks", "pipeline_schedule_names", "plan", "plan_with_timeline", "resolve", "schedule_kind",
            "split_backward_schedules"]
 
@@ -168,6 +169,12 @@ def conflicting_options(name: str) -> tuple[Conflict, ...]:
 def pipeline_schedule_names() -> tuple[str, ...]:
     """The schedules training offers (pretrain_gpt.py --pipeline-schedule), in registry order."""
     return tuple(name for name, kind in SCHEDULES.items() if kind.trainable)
+
+
+def ilp_schedules() -> tuple[str, ...]:
+    """The schedules whose planner has an ILP refinement (the ILP time limit applies to them only), in registry
+    order."""
+    return tuple(name for name, kind in SCHEDULES.items() if kind.ilp)
 
 
 def split_backward_schedules() -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 
-from ..schedules.planners import (SCHEDULES, PlanRequest, accepts_chunks, conflicting_options, layout_of,
+from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_options, ilp_schedules, layout_of,
                                   multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
@@ -429,7 +429,7 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
     schedule, flag = check_flags(args)
     if given(argv, "--zero-bubble-ilp-time-limit") and (schedule is None or not schedule_kind(schedule).ilp):
         chosen = flag or "megatron's own schedule"
-        planners = " / ".join(name for name, kind in SCHEDULES.items() if kind.ilp)  # the registry's, as the CLI's
+        planners = " / ".join(ilp_schedules())
         raise StartupRefusal(f"--zero-bubble-ilp-time-limit bounds the ILP of {planners}'s planner, which {chosen} "
                              f"does not use; drop the flag")
     if schedule is None:
