@@ -141,3 +141,25 @@ def test_the_interleaved_estimate_flags_only_plans_longer_than_megatrons_bubble_
     formula = problem.busy(0) * (1 + (p - 1) / (v * m))
     assert may_lose_to_interleaved(problem, Plan([], formula * 1.01, ""))
     assert not may_lose_to_interleaved(problem, Plan([], formula * 0.99, ""))
+
+
+@pytest.mark.parametrize("p, v, m, mix", [(4, 1, 8, "comm"), (3, 2, 7, "heavy-last"), (4, 3, 9, "big-mw"),
+                                          (8, 6, 16, "comm")])
+def test_a_greedy_run_stops_exactly_when_it_cannot_beat_the_span_it_is_given(p, v, m, mix):
+    """greedy and best_heuristic with `beat`: the same plan when it is no longer than that span (a tie runs to
+    the end), None when it is longer; zb_auto leans on this to stop runs that lose to interleaved 1F1B."""
+    from megatron.zero_bubble.schedules.auto import Rule, best_heuristic, greedy
+    from megatron.zero_bubble.schedules.auto_problem import Problem
+
+    costs = costs_of(mix, p, v)
+    limit = MemoryLimit(2 * interleaved_memory_limit(p, v, m))
+    layout = "single" if v == 1 else "interleaved"
+    problem = Problem.from_costs(p, m, costs, limit.per_rank(p, v, layout, costs), v, layout)
+    caps = [min(problem.memory_cap(r), m) for r in range(p)]
+    for rule in (Rule(), Rule(fill=0.5, f_order="oldest")):
+        full = greedy(problem, caps, rule)
+        assert greedy(problem, caps, rule, beat=full.span) == full
+        assert greedy(problem, caps, rule, beat=full.span * (1 - 1e-6)) is None
+    best = best_heuristic(problem)
+    assert best_heuristic(problem, beat=best.span) == best
+    assert best_heuristic(problem, beat=best.span * (1 - 1e-6)) is None

@@ -89,10 +89,17 @@ class _Rank:
         self.done = 0  # B passes run
 
 
-def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan | None:
+def greedy(problem: Problem, caps: Sequence[int], rule: Rule, beat: float | None = None) -> Plan | None:
     """Schedule F and B in time order with the real costs, placing W as the module docstring says; None if
-    the caps and rule deadlock (strict rules need caps that never increase along the pipeline)."""
+    the caps and rule deadlock (strict rules need caps that never increase along the pipeline), or as soon
+    as the plan's span is sure to exceed `beat` (a rank's span is its work plus the idle time between its
+    passes, and idle time only grows: a variant that lost to interleaved 1F1B at v = 8, p = 64 was sure to
+    after 5% of its passes)."""
     p, m, v, n = problem.stages, problem.microbatches, problem.chunks, problem.num_virtual_stages
+    # idle time past which a rank's span exceeds `beat` (with room for rounding: a tie still runs to the end)
+    slack = [math.inf if beat is None else beat * (1 + 1e-9) - problem.busy(r) for r in range(p)]
+    if min(slack) < 0:
+        return None  # some rank's work alone takes longer
     t_f, t_b, t_w = problem.time[Op.F], problem.time[Op.B], problem.time[Op.W]
     d_f, d_b, d_w = problem.memory[Op.F], problem.memory[Op.B], problem.memory[Op.W]
     stage_of, owner = problem.stage_of, problem.owner
@@ -196,6 +203,8 @@ def greedy(problem: Problem, caps: Sequence[int], rule: Rule) -> Plan | None:
         elif now > t:
             rk.idle += now - t
             most_idle = max(most_idle, rk.idle)
+            if rk.idle > slack[r]:
+                return None
             t = now
         rk.order.append((op, mb, c))
         end = rk.free = t + length
@@ -344,10 +353,11 @@ def rules(problem: Problem) -> tuple[Rule, ...]:
                  for f in ("oldest", "deep", "shallow") for b in ("deep", "oldest"))
 
 
-def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
+def best_heuristic(problem: Problem, budget: int = PASS_BUDGET, beat: float | None = None) -> Plan | None:
     """Favourite variants, then caps tuned one stage at a time, then the rest, within `budget` passes (with
     several chunks: half of them, at most CHUNKED_RUNS runs, and no cap tuning, the memory rule being what
-    limits). The first variant always runs."""
+    limits). The first variant always runs. With `beat`, only a plan shorter than that span counts (None if
+    no variant tried is): a run stops once it is sure to lose, as every run does against the best so far."""
     shapes = cap_shapes(problem)
     cost = 3 * problem.num_virtual_stages * problem.microbatches
     if problem.chunks > 1:  # longer runs, more to validate: half the passes, and the runs capped
@@ -357,9 +367,9 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
 
     def run(caps: tuple[int, ...], rule: Rule) -> Plan | None:
         nonlocal budget
-        if (caps, rule) not in tried:
+        if (caps, rule) not in tried:  # None: deadlocked, or longer than the best then (which only shortens)
             budget -= cost
-            tried[(caps, rule)] = greedy(problem, caps, rule)
+            tried[(caps, rule)] = greedy(problem, caps, rule, beat if best is None else best.span)
         return tried[(caps, rule)]
 
     def better(plan: Plan | None, than: Plan | None) -> bool:
@@ -371,8 +381,12 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET) -> Plan:
         best = plan if better(plan, best) else best
         if best is not None and (best.span <= enough or budget < cost):
             return best
-    if best is None:  # every favourite deadlocked: the eager rule under memory caps never does
+        if best is None and beat is not None and budget < cost:
+            return None
+    if best is None:  # every favourite deadlocked (the eager rule under memory caps never does) or lost
         best = run(shapes["memory"], Rule())
+        if best is None:
+            return None
     caps, rule = next(key for key, plan in tried.items() if plan is best)
     most = [min(problem.memory_cap(r), problem.microbatches) for r in range(problem.stages)]
     improved = problem.chunks == 1
@@ -415,12 +429,37 @@ def split_interleaved(problem: Problem) -> Plan | None:
     return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), "interleaved 1F1B, backward split")
 
 
-def may_lose_to_interleaved(problem: Problem, plan: Plan) -> bool:
-    """Whether interleaved 1F1B could be shorter than `plan`, estimated by megatron's bubble formula: the busiest
-    rank's work and (p-1)/(v m) of it idle. Large plans are compared with the baseline only then (building and
-    simulating it takes seconds there); the greedy lost to it by far at v = 8, p = 32, m = 256."""
+def interleaved_estimate(problem: Problem) -> float:
+    """Interleaved 1F1B's span by megatron's bubble formula: the busiest rank's work and (p-1)/(v m) of it idle."""
     busiest = max(problem.busy(r) for r in range(problem.stages))
-    return plan.span > busiest * (1 + (problem.stages - 1) / (problem.chunks * problem.microbatches))
+    return busiest * (1 + (problem.stages - 1) / (problem.chunks * problem.microbatches))
+
+
+def may_lose_to_interleaved(problem: Problem, plan: Plan) -> bool:
+    """Whether interleaved 1F1B could be shorter than `plan` (interleaved_estimate). Large plans are compared with
+    the baseline only then (building and simulating it takes seconds there); the greedy lost to it by far at
+    v = 8, p = 32, m = 256."""
+    return plan.span > interleaved_estimate(problem)
+
+
+def heuristic_or_interleaved(problem: Problem) -> Plan:
+    """best_heuristic's plan, or with several chunks split_interleaved's where that is shorter (see
+    BASELINE_PASSES). The baseline comes first where it is compared anyway, so that greedy runs stop as soon as
+    they are sure to lose to it; above BASELINE_PASSES they stop once past interleaved_estimate, and only then is
+    the baseline built, and the heuristic run again against it."""
+    if problem.chunks == 1:
+        return best_heuristic(problem)
+    small = 3 * problem.num_virtual_stages * problem.microbatches <= BASELINE_PASSES
+    baseline = split_interleaved(problem) if small else None
+    beat = interleaved_estimate(problem) if not small else None if baseline is None else baseline.span
+    plan = best_heuristic(problem, beat=beat)
+    if not small and (plan is None or may_lose_to_interleaved(problem, plan)):
+        baseline = split_interleaved(problem)
+        if plan is None:
+            plan = best_heuristic(problem, beat=None if baseline is None else baseline.span)
+    if baseline is not None and (plan is None or baseline.span < plan.span * (1 - 1e-12)):
+        return baseline
+    return plan
 
 
 def default_memory_limit(stages: int) -> float:
@@ -476,11 +515,7 @@ def zb_auto(
             raise ScheduleError(
                 f"memory limit {limits[r]:.4g} on rank {r} is below one microbatch's activations ({need:.4g})"
             )
-    plan = best_heuristic(problem)
-    small = 3 * stages * chunks * microbatches <= BASELINE_PASSES
-    baseline = split_interleaved(problem) if chunks > 1 and (small or may_lose_to_interleaved(problem, plan)) else None
-    if baseline is not None and baseline.span < plan.span * (1 - 1e-12):
-        plan = baseline
+    plan = heuristic_or_interleaved(problem)
     notes = {**limit.to_info(), "heuristic": plan.label, "heuristic_span": plan.span}
     if ilp_time_limit and ilp_time_limit > 0:
         plan, notes["ilp"] = refine(problem, plan, ilp_time_limit, progress)  # imports highspy only now
