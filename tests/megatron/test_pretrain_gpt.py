@@ -160,7 +160,10 @@ def _runs(work: str) -> dict[str, list[str]]:
 
 
 def _command_lines(work: str) -> dict[str, list[str]]:
-    return {label: MODEL + (TRAIN_PV if label in POST_VALIDATION_RUNS else TRAIN) + flags
+    # megatron's index cache: the first run of each data configuration builds the mock dataset's indices (a shuffle of
+    # 100000 documents on two ranks, a quarter of a short run's CPU there), the others load them
+    cache = ["--data-cache-path", os.path.join(work, "data-cache")]
+    return {label: MODEL + (TRAIN_PV if label in POST_VALIDATION_RUNS else TRAIN) + cache + flags
             for label, flags in _runs(work).items()}
 
 
@@ -800,7 +803,7 @@ def test_paths_sizes_and_names_are_refused_before_megatron_is_imported(label, tm
 def test_every_run_of_this_file_passes_the_early_checks_and_they_create_the_directories(tmp_path, monkeypatch):
     for label, flags in _command_lines(str(tmp_path)).items():
         assert _early_refusal(flags, 4, monkeypatch) is None, label
-    created = sorted([*CHECKPOINTS, "dump", "dump-moe", "dump-v"])
+    created = sorted([*CHECKPOINTS, "data-cache", "dump", "dump-moe", "dump-v"])
     assert sorted(os.listdir(tmp_path)) == created  # created, and empty: the write check cleans up
     assert all(os.listdir(tmp_path / name) == [] for name in created)
 
