@@ -18,7 +18,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.markers import marks_tests, starts_in_background
 from tests.megatron import background_cases, harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -96,15 +95,8 @@ CASES = [
 
 
 # every case in a process started as soon as the tests are collected, beside them
-_CASES = background_cases.CasesInBackground("moe_and_sequence_parallel", __name__, 4, timeout=600)
-
-
-@pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
-@starts_in_background(_CASES.launches)
-def reports(tmp_path_factory):
-    yield _CASES.results(tmp_path_factory)
-    _CASES.stop()
+reports = background_cases.CasesInBackground("moe_and_sequence_parallel", __name__, 4, timeout=600).fixture(
+    pytest.mark.exactness)
 
 
 def _expert_weights(report) -> set:
