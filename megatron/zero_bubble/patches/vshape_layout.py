@@ -34,6 +34,7 @@ import importlib
 import importlib.util
 import sys
 
+from ..schedules.costs import accounted_layer_counts
 from ..schedules.schedule import stage_owner, virtual_stage
 from . import imports
 from ._patching import MegatronPatch, PatchError
@@ -69,10 +70,7 @@ def v_stage_layer_counts(num_layers: int, stages: int, layout: list[int] | None 
             f"{total % virtual_stages}); choose a num_layers that splits evenly, or lay the layers out with "
             f"pipeline_model_parallel_layout"
         )
-    counts = [total // virtual_stages] * virtual_stages
-    counts[0] -= int(embedding)
-    counts[-1] -= int(loss)
-    return counts
+    return accounted_layer_counts(num_layers, virtual_stages, embedding, loss)  # the rule training's checks use
 
 
 def v_layer_range(num_layers: int, stages: int, rank: int, chunk: int, counts: list[int] | None = None) -> range:

@@ -41,6 +41,15 @@ def even_layer_counts(layers: int, stages: int) -> list[int]:
     return counts
 
 
+def accounted_layer_counts(layers: int, stages: int, embedding: bool = False, loss: bool = False) -> list[int]:
+    """megatron's --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split: the embedding and
+    the loss each count as a layer in the even split, taken off the first and the last virtual stage."""
+    counts = even_layer_counts(layers + int(embedding) + int(loss), stages)
+    counts[0] -= int(embedding)
+    counts[-1] -= int(loss)
+    return counts
+
+
 @dataclass(frozen=True)
 class Costs:
     t_f: tuple[float, ...]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from ..schedules.costs import even_layer_counts
+from ..schedules.costs import accounted_layer_counts, even_layer_counts
 
 # Megatron's flags that lay the layers out themselves (with --allow-padding-num-layers one layout is enough).
 LAYOUT_FLAGS = ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
@@ -68,7 +68,4 @@ def layer_counts_of(args, stages: int, chunks: int) -> list[int]:
         per_rank[-1] = per_rank[-1] if last is None else last
         return [per_rank[v % stages] // chunks for v in range(total)]
     embedding, loss = bool(args.account_for_embedding_in_pipeline_split), bool(args.account_for_loss_in_pipeline_split)
-    counts = even_layer_counts(layers + embedding + loss, total)
-    counts[0] -= embedding
-    counts[-1] -= loss
-    return counts
+    return accounted_layer_counts(layers, total, embedding, loss)
