@@ -6,10 +6,10 @@ cores the tests in the foreground leave idle (ranks waiting on each other, tests
 after them.
 
 Parent side (imports nothing of megatron):
-    reports = CasesInBackground(name, module, world_size, timeout).fixture(*marks)   at a test module's top level:
-        the module-scoped fixture of every case's reports ({label: [each rank's report]}); its tests get `launches`
-        and `marks`; a failed run fails them with its output
-    .launches(tmp_path_factory) -> [Background]   starts `python -m tests.megatron.background_cases ...` once
+    CasesInBackground(name, module, world_size, timeout)
+        .launches(tmp_path_factory) -> [Background]   starts `python -m tests.megatron.background_cases ...` once
+        .results(tmp_path_factory) -> {label: [each rank's report]}   waits; a failed run raises with its output
+        .stop()
 As a script: run_cases(MODULE._run_case, MODULE.CASES, WORLD_SIZE), the reports saved with torch.save.
 """
 from __future__ import annotations
@@ -31,20 +31,6 @@ class CasesInBackground:
         self.name, self.module, self.world_size, self.timeout = name, module, world_size, timeout
         self.launch: Background | None = None
         self.out = ""
-
-    def fixture(self, *marks):
-        import pytest
-
-        from tests.markers import marks_tests, starts_in_background
-
-        @pytest.fixture(scope="module", name="reports")
-        @marks_tests(pytest.mark.launches, *marks)  # the launch is started here, not in the test's own code
-        @starts_in_background(self.launches)
-        def reports(tmp_path_factory):
-            yield self.results(tmp_path_factory)
-            self.stop()
-
-        return reports
 
     def launches(self, tmp_path_factory) -> list[Background]:
         if self.launch is None:

@@ -18,6 +18,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.markers import marks_tests, starts_in_background
 from tests.megatron import background_cases, harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -95,8 +96,15 @@ CASES = [
 
 
 # every case in a process started as soon as the tests are collected, beside them
-reports = background_cases.CasesInBackground("moe_and_sequence_parallel", __name__, 4, timeout=600).fixture(
-    pytest.mark.exactness)
+_CASES = background_cases.CasesInBackground("moe_and_sequence_parallel", __name__, 4, timeout=600)
+
+
+@pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
+@starts_in_background(_CASES.launches)
+def reports(tmp_path_factory):
+    yield _CASES.results(tmp_path_factory)
+    _CASES.stop()
 
 
 def _expert_weights(report) -> set:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron.zero_bubble.schedules.planners import layout_of
+from tests.markers import marks_tests, starts_in_background
 from tests.megatron import background_cases, harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -201,8 +202,15 @@ CASES = [
 
 
 # every case in a process started as soon as the tests are collected, beside them
-reports = background_cases.CasesInBackground("post_validation", __name__, 4, timeout=900).fixture(
-    pytest.mark.exactness)
+_CASES = background_cases.CasesInBackground("post_validation", __name__, 4, timeout=900)
+
+
+@pytest.fixture(scope="module")
+@marks_tests(pytest.mark.exactness)
+@starts_in_background(_CASES.launches)
+def reports(tmp_path_factory):
+    yield _CASES.results(tmp_path_factory)
+    _CASES.stop()
 
 
 _merged = harness.merge_by_dp_rank  # per data-parallel replica: losses and full parameters
