@@ -1,8 +1,7 @@
 """Mixture of experts and sequence parallelism under the zero-bubble runtime (CPU, gloo): bit-identical to
 megatron's own 1F1B.
 
-One forked group of 4 ranks runs every scenario in turn, in a process started beside the other tests
-(background_cases); the parent compares the reports with torch.equal.
+One spawned group of 4 ranks runs every scenario in turn; the parent compares the reports with torch.equal.
 - MoE (megatron-core's MoELayer: top-2 router with the auxiliary load-balancing loss, alltoall dispatcher,
   local experts in a SequentialMLP) at PP=4 (also 1F1B through the runtime) and at PP=2 x EP=2 (also with the allgather dispatcher), megatron
   DDP and three Adam steps: losses, gradients, parameters after the steps and the per-layer MoE metrics
@@ -18,8 +17,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.markers import marks_tests, starts_in_background
-from tests.megatron import background_cases, harness
+from tests.markers import marks_tests
+from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
@@ -95,16 +94,10 @@ CASES = [
 ]
 
 
-# every case in a process started as soon as the tests are collected, beside them
-_CASES = background_cases.CasesInBackground("moe_and_sequence_parallel", __name__, 4, timeout=600)
-
-
 @pytest.fixture(scope="module")
 @marks_tests(pytest.mark.exactness)
-@starts_in_background(_CASES.launches)
-def reports(tmp_path_factory):
-    yield _CASES.results(tmp_path_factory)
-    _CASES.stop()
+def reports():
+    return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
 def _expert_weights(report) -> set:

@@ -1,9 +1,8 @@
 """Optimizer post-validation on megatron-core (CPU, gloo): the same parameters as the synchronous step.
 
-One forked group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP=2 x PP=2; MoE at PP=4 and
-PP=2 x EP=2), in a process started beside the other tests (background_cases): several iterations of zb-h1 with V
-passes and the speculative step, against megatron's own 1F1B schedule and synchronous optimizer step. The parent
-compares parameters with torch.equal (or reports ulps).
+One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP=2 x PP=2; MoE at PP=4 and
+PP=2 x EP=2): several iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B
+schedule and synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
 """
 import contextlib
 import dataclasses
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 from megatron.zero_bubble.schedules.planners import layout_of
-from tests.markers import marks_tests, starts_in_background
-from tests.megatron import background_cases, harness
+from tests.markers import marks_tests
+from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
 # The tiny model's grad norm is 0.5-0.95 over the first iterations: 1000 never clips; 0.6 clips most
@@ -201,16 +200,10 @@ CASES = [
 ]
 
 
-# every case in a process started as soon as the tests are collected, beside them
-_CASES = background_cases.CasesInBackground("post_validation", __name__, 4, timeout=900)
-
-
 @pytest.fixture(scope="module")
 @marks_tests(pytest.mark.exactness)
-@starts_in_background(_CASES.launches)
-def reports(tmp_path_factory):
-    yield _CASES.results(tmp_path_factory)
-    _CASES.stop()
+def reports():
+    return harness.run_cases(_run_case, CASES, 4, timeout=900)
 
 
 _merged = harness.merge_by_dp_rank  # per data-parallel replica: losses and full parameters
