@@ -450,8 +450,11 @@ def heuristic_or_interleaved(problem: Problem) -> Plan:
     if problem.chunks == 1:
         return best_heuristic(problem)
     small = 3 * problem.num_virtual_stages * problem.microbatches <= BASELINE_PASSES
-    baseline = split_interleaved(problem) if small else None
-    beat = interleaved_estimate(problem) if not small else None if baseline is None else baseline.span
+    if small:
+        baseline = split_interleaved(problem)
+        beat = None if baseline is None else baseline.span
+    else:
+        baseline, beat = None, interleaved_estimate(problem)
     plan = best_heuristic(problem, beat=beat)
     if not small and (plan is None or may_lose_to_interleaved(problem, plan)):
         baseline = split_interleaved(problem)

@@ -24,9 +24,8 @@ from .validate import validate
 
 __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanRequest", "ScheduleKind", "accepts_chunks",
            "collector_paused", "conflicting_options", "default_memory_limit", "ilp_schedules", "layout_of",
-           "multi_chunk_schedules",
-           "natural_chunks", "pipeline_schedule_names", "plan", "plan_with_timeline", "resolve", "schedule_kind",
-           "split_backward_schedules"]
+           "multi_chunk_schedules", "natural_chunks", "pipeline_schedule_names", "plan", "plan_with_timeline",
+           "resolve", "schedule_kind", "split_backward_schedules"]
 
 
 @dataclass(frozen=True)
