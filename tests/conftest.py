@@ -49,10 +49,12 @@ def pytest_collection_modifyitems(items):
 def _order_beside_the_background_launches(items) -> None:
     """The launches of markers.starts_in_background run from collection on and keep both cores busy for minutes:
     the tests that start no process (one core) go first, beside them; then the launching ones; the modules whose
-    launches started in the background last (their tests wait for them)."""
-    late = {item.module for item in items
-            if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
-    items.sort(key=lambda item: (getattr(item, "module", None) in late, item.get_closest_marker("launches") is not None))
+    launches started in the background last, and of those the tests that wait for a launch at the very end (the
+    others of their modules run while the launches finish)."""
+    waits = {item for item in items if any(hasattr(fixture, "background_start") for fixture in _fixture_functions(item))}
+    late = {item.module for item in waits}
+    items.sort(key=lambda item: (getattr(item, "module", None) in late, item in waits,
+                                 item.get_closest_marker("launches") is not None))
 
 
 def _fixture_functions(item) -> list:

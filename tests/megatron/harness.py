@@ -22,7 +22,7 @@ The device and process-group backend of every rank: rank_device(), in one place.
 
 Global parameter names count transformer layers over the whole model ("decoder.layers.<global>."), so
 PP, VPP and TP layouts of the same `ModelSpec` hold identical weights and can be compared tensor by tensor.
-Every spawned rank watches its thread count (process_groups.py): a leak of process groups fails the test that
+Every spawned rank makes its groups under process_groups.rank_groups: a leak of process groups fails the test that
 causes it, at the end of its scenario and after each case of `run_cases`.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from tests.megatron.process_groups import (
     destroy_parallel_state,
     init_parallel_state,
     now_running,
-    watch_thread_count,
+    rank_groups,
 )
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -177,22 +177,22 @@ def _rank_main(rank, world_size, port, result_dir, scenario, args, kwargs):
         from megatron.zero_bubble.patches import cpu_backend
 
         cpu_backend.install()
-    torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
-    # Everything imported so far lives as long as the rank: out of the collector's reach, so that the
-    # gc.collect() of each destroy_parallel_state scans only what the scenarios made (seconds -> ms).
-    gc.freeze()
-    now_running(scenario.__name__)
-    watch_thread_count()
-    finished = False
-    try:  # an exception reaches the parent with its traceback through torch.multiprocessing
-        result = scenario(*args, **kwargs)
-        check_thread_count(f"{scenario.__name__} on rank {rank}")
-        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-        finished = True
-    finally:
-        # after a failure the other ranks may never reach a barrier: only tear down, the process ends anyway
-        destroy_parallel_state(synchronize=finished)
-        torch.distributed.destroy_process_group()
+    with rank_groups():  # the process lives as long as the rank
+        torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
+        # Everything imported so far lives as long as the rank: out of the collector's reach, so that the
+        # gc.collect() of each destroy_parallel_state scans only what the scenarios made (seconds -> ms).
+        gc.freeze()
+        now_running(scenario.__name__)
+        finished = False
+        try:  # an exception reaches the parent with its traceback through torch.multiprocessing
+            result = scenario(*args, **kwargs)
+            check_thread_count(f"{scenario.__name__} on rank {rank}")
+            torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+            finished = True
+        finally:
+            # after a failure the other ranks may never reach a barrier: only tear down, the process ends anyway
+            destroy_parallel_state(synchronize=finished)
+            torch.distributed.destroy_process_group()
 
 
 def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:

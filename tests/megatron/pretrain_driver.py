@@ -66,8 +66,10 @@ def torchrun_command(nproc: int, args: list[str]) -> list[str]:
 # A launch read later runs under SCHED_IDLE (it and every process it starts): it takes the cores the tests in the
 # foreground leave idle (ranks waiting on each other, a test on one core) instead of slowing them down, and has them
 # to itself once they are done. Neither waits for the other, so the suite ends sooner (`nice -n 10` gained about half
-# as much: a waking rank of the foreground still waited behind a niced one).
+# as much: a waking rank of the foreground still waited behind a niced one). The processes that lead sessions of
+# their own (torchrun's ranks) also lower their autogroup's weight (background_site/sitecustomize.py).
 IDLE_PRIORITY = ["chrt", "--idle", "0"] if shutil.which("chrt") else []
+BACKGROUND_SITE = os.path.join(REPO, "tests", "background_site")
 
 
 class Background:
@@ -78,8 +80,10 @@ class Background:
         self.command, self.timeout, self.started = command, timeout, time.monotonic()
         self.paths = [os.path.join(work, f"{name}.{stream}") for stream in ("stdout", "stderr")]
         with open(self.paths[0], "w") as out, open(self.paths[1], "w") as err:
-            self.process = subprocess.Popen([*IDLE_PRIORITY, *command], cwd=REPO,
-                                            env=launch_environment() | (env or {}), stdout=out, stderr=err)
+            environment = launch_environment() | (env or {})
+            environment["PYTHONPATH"] = BACKGROUND_SITE + os.pathsep + environment["PYTHONPATH"]
+            self.process = subprocess.Popen([*IDLE_PRIORITY, *command], cwd=REPO, env=environment, stdout=out,
+                                            stderr=err)
 
     def result(self) -> subprocess.CompletedProcess:
         """The finished command; one still running at its deadline is killed (return code None)."""
@@ -186,37 +190,45 @@ def drive(plan_path: str) -> None:
     sys.path.insert(0, REPO)
     import pretrain_gpt  # installs the import shims and the CPU backend at import
     import torch
-    from megatron.training.training import destroy_global_state
 
     from tests.megatron import harness, process_groups
 
     plan = json.load(open(plan_path))
-    rank = int(os.environ["RANK"])
-    # WORLD before the first run (megatron keeps an initialised one), so that ranks can agree on every run's end
-    torch.distributed.init_process_group(harness.rank_device().backend, timeout=datetime.timedelta(minutes=10))
-    process_groups.watch_thread_count()  # the peak during a run counts, not only what is left after it
-    # What is alive now lives as long as the rank: out of the collector's reach, so that the collections of each run
-    # (megatron's, the teardown's) scan only what runs made (a run takes half the time)
-    gc.freeze()
-    for label, flags in plan["runs"].items():
-        process_groups.now_running(label, reset_peak=True)
-        sys.argv = ["pretrain_gpt.py", *flags]
-        with open(os.path.join(plan["out"], log_name(label, rank)), "w") as out, \
-                contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            started = time.monotonic()
-            finished = _run(pretrain_gpt.main)
-            if not finished:  # its groups go first: a peer waiting on this rank in one of them fails too
-                _tear_down(destroy_global_state, process_groups)
-            everywhere = _all_ranks(finished, torch)
-            if finished:  # every rank has left the run: no peer is still in a collective on its groups
-                _tear_down(destroy_global_state, process_groups)
-            gc.freeze()  # what the run imported or cached
-            print(f"{THREADS_LINE}{process_groups.thread_count()}", flush=True)
-            print(f"{PEAK_THREADS_LINE}{process_groups.thread_peak()}", flush=True)
-            print(f"{SECONDS_LINE}{time.monotonic() - started:.1f}", flush=True)
-            outcome = FINISHED if everywhere else "failed on this rank" if not finished else "failed on another rank"
-            print(f"{STATUS_LINE}{outcome}", flush=True)
-    torch.distributed.destroy_process_group()
+    with process_groups.rank_groups():  # the peak during a run counts, not only what is left after it
+        # WORLD before the first run (megatron keeps an initialised one), so ranks can agree on every run's end
+        torch.distributed.init_process_group(harness.rank_device().backend, timeout=datetime.timedelta(minutes=10))
+        # What is alive now lives as long as the rank: out of the collector's reach, so that the collections of each
+        # run (megatron's, the teardown's) scan only what runs made (a run takes half the time)
+        gc.freeze()
+        for label, flags in plan["runs"].items():
+            with open(os.path.join(plan["out"], log_name(label, int(os.environ["RANK"]))), "w") as out, \
+                    contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                _drive_one(label, flags, pretrain_gpt.main)
+        torch.distributed.destroy_process_group()
+
+
+def _drive_one(label: str, flags: list[str], main) -> None:
+    """One run on this rank, its output already redirected; then the lines the parent reads."""
+    import torch
+    from megatron.training.training import destroy_global_state
+
+    from tests.megatron import process_groups
+
+    process_groups.now_running(label, reset_peak=True)
+    sys.argv = ["pretrain_gpt.py", *flags]
+    started = time.monotonic()
+    finished = _run(main)
+    if not finished:  # its groups go first: a peer waiting on this rank in one of them fails too
+        _tear_down(destroy_global_state, process_groups)
+    everywhere = _all_ranks(finished, torch)
+    if finished:  # every rank has left the run: no peer is still in a collective on its groups
+        _tear_down(destroy_global_state, process_groups)
+    gc.freeze()  # what the run imported or cached
+    print(f"{THREADS_LINE}{process_groups.thread_count()}", flush=True)
+    print(f"{PEAK_THREADS_LINE}{process_groups.thread_peak()}", flush=True)
+    print(f"{SECONDS_LINE}{time.monotonic() - started:.1f}", flush=True)
+    outcome = FINISHED if everywhere else "failed on this rank" if not finished else "failed on another rank"
+    print(f"{STATUS_LINE}{outcome}", flush=True)
 
 
 def _run(main) -> bool:

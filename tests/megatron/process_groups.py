@@ -1,25 +1,28 @@
 """Megatron's parallel state in a rank that runs many layouts one after another, and the threads it holds.
 
+    rank_groups()                                every gloo group made inside: on the rank's one transport device,
+                                                 and the thread count right after it counts toward the peak
     init_parallel_state(tp, pp, vpp, seed, ep)   megatron parallel state (re-initialisable); groups of the previous
                                                  one are reused or destroyed
     destroy_parallel_state(synchronize)          megatron's destroy, then every process group but WORLD
-    thread_count() / watch_thread_count() / check_thread_count(where) / now_running(where) / thread_peak()
+    thread_count() / check_thread_count(where) / now_running(where) / thread_peak() / transport_loops()
 
-Megatron's `destroy_model_parallel` only drops its references; a gloo group keeps its two worker threads and its
-TCP-loop thread until `torch.distributed.destroy_process_group(group)` and the last reference to it are gone.
-`init_parallel_state` reuses the previous groups where megatron asks for the same ones and destroys the rest, so a
-rank holds one layout's groups at a time (about 75 threads). A rank that watches its thread count raises in
-`check_thread_count` if it reached MAX_RANK_THREADS at any time, so a leak fails the test that causes it.
+Megatron's `destroy_model_parallel` only drops its references: a gloo group keeps its two worker threads until
+`torch.distributed.destroy_process_group(group)` and the last reference to it are gone. `init_parallel_state` reuses
+the previous groups where megatron asks for the same ones and destroys the rest, so a rank holds one layout's groups
+at a time (about 50 threads). A rank whose groups are made under `rank_groups` raises in `check_thread_count` if it
+reached MAX_RANK_THREADS at any time, so a leak fails the test that causes it.
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
 import os
-import time
 
 import torch
 
-MAX_RANK_THREADS = 100  # a rank with one layout's groups holds about 75; each leaked layout adds about 60
+MAX_RANK_THREADS = 80  # a rank with one layout's groups holds about 50; each leaked layout adds about 45
 
 
 def thread_count() -> int:
@@ -32,8 +35,8 @@ def thread_count() -> int:
         return threading.active_count()
 
 
-# The most threads this process has held so far and where: sampled every few ms by a thread of its own
-# (watch_thread_count), so that a short-lived excess (groups made before the old ones go) counts too.
+# The most threads this process has held so far and where: noted right after each group `rank_groups` makes, which is
+# when a rank's thread count grows (so a short-lived excess, groups made before the old ones go, counts too).
 _THREAD_PEAK: dict = {"count": 0, "where": None, "now": "start-up"}
 
 
@@ -48,23 +51,66 @@ def thread_peak() -> int:
     return _THREAD_PEAK["count"]
 
 
-def watch_thread_count(interval_s: float = 0.005) -> None:
-    """Sample this process's thread count every `interval_s` from now on (for the peak)."""
-    import threading
+def _note_thread_count() -> None:
+    count = thread_count()
+    if count > _THREAD_PEAK["count"]:
+        _THREAD_PEAK.update(count=count, where=_THREAD_PEAK["now"])
 
-    def watch():
-        while True:
-            count = thread_count()
-            if count > _THREAD_PEAK["count"]:
-                _THREAD_PEAK.update(count=count, where=_THREAD_PEAK["now"])
-            time.sleep(interval_s)
 
-    threading.Thread(target=watch, name="zb_thread_watch", daemon=True).start()
+# torch.distributed.new_group gives every gloo group a transport device of its own, and every device a thread
+# ("gloo_tcp_loop") that wakes each 10 ms (gloo's event loop polls with that timeout) for as long as the group lives.
+# A rank holds about 23 groups: four ranks, 9200 wakeups a second, which perf put at a tenth of both cores. A device
+# serves any number of groups (each keeps its own connections and worker threads), so a rank's groups share one.
+# new_group takes no options for gloo: the ProcessGroupGloo it builds is swapped for the duration of `rank_groups`.
+_DEVICES: dict[int, object] = {}  # pid -> the device (a forked rank makes its own: threads do not survive a fork)
+
+
+def _transport_device():
+    if os.getpid() not in _DEVICES:
+        _DEVICES[os.getpid()] = torch.distributed.ProcessGroupGloo.create_default_device()
+    return _DEVICES[os.getpid()]
+
+
+def transport_loops() -> int:
+    """gloo event-loop threads of this process now (Linux: /proc; elsewhere 0)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    names = []
+    for task in tasks:
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return names.count("gloo_tcp_loop")
+
+
+@contextlib.contextmanager
+def rank_groups():
+    """Every gloo group made inside (torch.distributed.init_process_group, new_group) is built on this process's one
+    transport device, and the thread count right after it is noted for `thread_peak` and `check_thread_count`."""
+    c10d = torch.distributed.distributed_c10d
+    base = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None:  # torch without gloo
+        yield
+        return
+
+    class RankDeviceGloo(base):
+        def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = c10d.default_pg_timeout):
+            options = base._Options()
+            options._devices, options._timeout, options._threads = [_transport_device()], timeout, 2  # torch's 2 workers
+            super().__init__(store, rank, size, options)
+            _note_thread_count()
+
+    c10d.ProcessGroupGloo = RankDeviceGloo
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = base
 
 
 def check_thread_count(where: str, limit: int = MAX_RANK_THREADS) -> int:
-    """Raise if this process holds `limit` threads or more now, or held that many at any sample of the
-    watcher (leaked or doubled process groups); returns the count now."""
+    """Raise if this process holds `limit` threads or more now, or held that many right after a group was made
+    (leaked or doubled process groups); returns the count now."""
     count = thread_count()
     if count >= limit:
         raise RuntimeError(f"{count} threads after {where} (limit {limit}): process groups were left alive")
