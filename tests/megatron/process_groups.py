@@ -1,28 +1,27 @@
 """Megatron's parallel state in a rank that runs many layouts one after another, and the threads it holds.
 
-    rank_groups()                                every gloo group made inside: on the rank's one transport device,
-                                                 and the thread count right after it counts toward the peak
+    rank_groups()                                the thread count right after each group made inside counts toward
+                                                 the peak
     init_parallel_state(tp, pp, vpp, seed, ep)   megatron parallel state (re-initialisable); groups of the previous
                                                  one are reused or destroyed
     destroy_parallel_state(synchronize)          megatron's destroy, then every process group but WORLD
-    thread_count() / check_thread_count(where) / now_running(where) / thread_peak() / transport_loops()
+    thread_count() / check_thread_count(where) / now_running(where) / thread_peak()
 
-Megatron's `destroy_model_parallel` only drops its references: a gloo group keeps its two worker threads until
-`torch.distributed.destroy_process_group(group)` and the last reference to it are gone. `init_parallel_state` reuses
-the previous groups where megatron asks for the same ones and destroys the rest, so a rank holds one layout's groups
-at a time (about 50 threads). A rank whose groups are made under `rank_groups` raises in `check_thread_count` if it
-reached MAX_RANK_THREADS at any time, so a leak fails the test that causes it.
+Megatron's `destroy_model_parallel` only drops its references: a gloo group keeps its two worker threads and its
+TCP-loop thread until `torch.distributed.destroy_process_group(group)` and the last reference to it are gone.
+`init_parallel_state` reuses the previous groups where megatron asks for the same ones and destroys the rest, so a
+rank holds one layout's groups at a time (about 75 threads). A rank whose groups are made under `rank_groups` raises
+in `check_thread_count` if it reached MAX_RANK_THREADS at any time, so a leak fails the test that causes it.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import os
 
 import torch
 
-MAX_RANK_THREADS = 80  # a rank with one layout's groups holds about 50; each leaked layout adds about 45
+MAX_RANK_THREADS = 100  # a rank with one layout's groups holds about 75; each leaked layout adds about 60
 
 
 def thread_count() -> int:
@@ -57,55 +56,23 @@ def _note_thread_count() -> None:
         _THREAD_PEAK.update(count=count, where=_THREAD_PEAK["now"])
 
 
-# torch.distributed.new_group gives every gloo group a transport device of its own, and every device a thread
-# ("gloo_tcp_loop") that wakes each 10 ms (gloo's event loop polls with that timeout) for as long as the group lives.
-# A rank holds about 23 groups: four ranks, 9200 wakeups a second, which perf put at a tenth of both cores. A device
-# serves any number of groups (each keeps its own connections and worker threads), so a rank's groups share one.
-# new_group takes no options for gloo: the ProcessGroupGloo it builds is swapped for the duration of `rank_groups`.
-_DEVICES: dict[int, object] = {}  # pid -> the device (a forked rank makes its own: threads do not survive a fork)
-
-
-def _transport_device():
-    if os.getpid() not in _DEVICES:
-        _DEVICES[os.getpid()] = torch.distributed.ProcessGroupGloo.create_default_device()
-    return _DEVICES[os.getpid()]
-
-
-def transport_loops() -> int:
-    """gloo event-loop threads of this process now (Linux: /proc; elsewhere 0)."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0
-    names = []
-    for task in tasks:
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
-            names.append(comm.read().strip())
-    return names.count("gloo_tcp_loop")
-
-
 @contextlib.contextmanager
 def rank_groups():
-    """Every gloo group made inside (torch.distributed.init_process_group, new_group) is built on this process's one
-    transport device, and the thread count right after it is noted for `thread_peak` and `check_thread_count`."""
-    c10d = torch.distributed.distributed_c10d
-    base = getattr(c10d, "ProcessGroupGloo", None)
-    if base is None:  # torch without gloo
-        yield
-        return
+    """Every group made inside through torch.distributed.new_group (megatron's create_group looks it up at each call):
+    the thread count right after it is noted for `thread_peak` and `check_thread_count`. (A sampling thread did this
+    every 5 ms: four ranks listing /proc 800 times a second, for nothing between two groups.)"""
+    new_group = torch.distributed.new_group
 
-    class RankDeviceGloo(base):
-        def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = c10d.default_pg_timeout):
-            options = base._Options()
-            options._devices, options._timeout, options._threads = [_transport_device()], timeout, 2  # torch's 2 workers
-            super().__init__(store, rank, size, options)
-            _note_thread_count()
+    def new_group_then_note_threads(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        _note_thread_count()
+        return group
 
-    c10d.ProcessGroupGloo = RankDeviceGloo
+    torch.distributed.new_group = new_group_then_note_threads
     try:
         yield
     finally:
-        c10d.ProcessGroupGloo = base
+        torch.distributed.new_group = new_group
 
 
 def check_thread_count(where: str, limit: int = MAX_RANK_THREADS) -> int:

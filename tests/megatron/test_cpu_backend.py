@@ -27,8 +27,8 @@ needs_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="t
 def run_core_layouts() -> dict[str, dict]:
     """Every layout on the same 4 ranks; data parallelism fills whatever TP x PP leaves.
 
-    Also this rank's process groups, threads and gloo event loops after each layout and after the harness destroyed
-    them (under "threads": (label, groups in torch's map, threads, loops), in order).
+    Also this rank's process groups and threads after each layout and after the harness destroyed them
+    (under "threads": (label, groups in torch's map, threads), in order).
     """
     half = MICROBATCHES // 2
     runs = {
@@ -46,9 +46,9 @@ def run_core_layouts() -> dict[str, dict]:
     reports, threads = {}, []
     for name, run in runs.items():
         reports[name] = run()
-        threads.append((name, _group_count(), process_groups.thread_count(), process_groups.transport_loops()))
+        threads.append((name, _group_count(), process_groups.thread_count()))
     harness.destroy_parallel_state()
-    threads.append(("destroyed", _group_count(), process_groups.thread_count(), process_groups.transport_loops()))
+    threads.append(("destroyed", _group_count(), process_groups.thread_count()))
     return {"layouts": reports, "threads": threads}
 
 
@@ -73,16 +73,14 @@ def layouts(core_runs) -> dict[str, dict[int, dict]]:
 
 def test_every_layout_leaves_only_its_own_process_groups_and_their_threads(core_runs):
     """megatron's destroy_model_parallel only drops references: without the harness destroying the groups
-    each layout would add its gloo groups (about 23, two worker threads each) to the rank: 9 layouts, ~400 threads.
-    All of a rank's groups share one gloo transport device, hence one event-loop thread (process_groups.rank_groups)."""
+    each layout would add its gloo groups (about 23, three threads each) to the rank: 9 layouts, ~600 threads."""
     for run in core_runs:
-        *layouts, (_, groups_left, threads_left, loops_left) = run["threads"]
+        *layouts, (_, groups_left, threads_left) = run["threads"]
         assert groups_left == 1  # WORLD only
-        groups = [count for _, count, _, _ in layouts]  # 22 to 24 with megatron-core 0.19, by layout
+        groups = [count for _, count, _ in layouts]  # 22 to 24 with megatron-core 0.19, by layout
         assert min(groups) > 10 and max(groups) < 2 * min(groups)  # never two layouts' groups at once
-        assert max(threads for _, _, threads, _ in layouts) < process_groups.MAX_RANK_THREADS
+        assert max(threads for _, _, threads in layouts) < process_groups.MAX_RANK_THREADS
         assert threads_left < 20
-        assert {loops for *_, loops in layouts} == {1} and loops_left == 1
 
 
 def test_the_harness_refuses_a_rank_that_ends_with_too_many_threads():
