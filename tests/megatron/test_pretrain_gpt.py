@@ -824,11 +824,12 @@ def _one_line_refusal(done: subprocess.CompletedProcess, words: list[str], nproc
     launcher = ("torch/distributed", "bin/torchrun", "<frozen runpy>")
     assert all(any(name in frame for name in launcher) for frame in frames), frames
     # Rank 0 exited first, with status 2 (no rank that refused before it had it killed before it printed); the
-    # others were stopped by torchrun afterwards.
+    # others were stopped by torchrun afterwards: SIGTERM, or SIGKILL 30 s later where a rank of a launch in the
+    # background (the lowest priority, background_site) got no core to act on the SIGTERM while the tests ran.
     root_cause = output.split("Root Cause (first observed failure):")[1]
     assert re.search(r"rank +: 0 \(local_rank: 0\)\s+exitcode +: 2 ", root_cause), root_cause
     statuses = re.findall(r"exitcode +: (-?\d+)", output)
-    assert len(statuses) == nproc and set(statuses) <= {"2", "-15"}, statuses
+    assert len(statuses) == nproc and set(statuses) <= {"2", "-15", "-9"}, statuses
 
 
 def test_the_script_stops_a_bad_command_line_with_one_error_line_and_no_traceback():
