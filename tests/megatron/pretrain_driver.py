@@ -200,8 +200,9 @@ def drive(plan_path: str) -> None:
         # What is alive now lives as long as the rank: out of the collector's reach, so that the collections of each
         # run (megatron's, the teardown's) scan only what runs made (a run takes half the time)
         gc.freeze()
+        rank = int(os.environ["RANK"])
         for label, flags in plan["runs"].items():
-            with open(os.path.join(plan["out"], log_name(label, int(os.environ["RANK"]))), "w") as out, \
+            with open(os.path.join(plan["out"], log_name(label, rank)), "w") as out, \
                     contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 _drive_one(label, flags, pretrain_gpt.main)
         torch.distributed.destroy_process_group()

@@ -1,7 +1,7 @@
 """Megatron's parallel state in a rank that runs many layouts one after another, and the threads it holds.
 
     rank_groups()                                the thread count right after each group made inside counts toward
-                                                 the peak
+                                                 the peak; groups of one rank made inside share one group per rank
     init_parallel_state(tp, pp, vpp, seed, ep)   megatron parallel state (re-initialisable); groups of the previous
                                                  one are reused or destroyed
     destroy_parallel_state(synchronize)          megatron's destroy, then every process group but WORLD
@@ -10,8 +10,9 @@
 Megatron's `destroy_model_parallel` only drops its references: a gloo group keeps its two worker threads and its
 TCP-loop thread until `torch.distributed.destroy_process_group(group)` and the last reference to it are gone.
 `init_parallel_state` reuses the previous groups where megatron asks for the same ones and destroys the rest, so a
-rank holds one layout's groups at a time (34 to 59 threads, its groups of one rank shared). A rank whose groups are made under `rank_groups` raises
-in `check_thread_count` if it reached MAX_RANK_THREADS at any time, so a leak fails the test that causes it.
+rank holds one layout's groups at a time (34 to 59 threads, its groups of one rank shared). A rank whose groups are
+made under `rank_groups` raises in `check_thread_count` if it reached MAX_RANK_THREADS at any time, so a leak fails
+the test that causes it.
 """
 from __future__ import annotations
 
