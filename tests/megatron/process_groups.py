@@ -92,9 +92,7 @@ _ONE_RANK_GROUPS: dict[int, object] = {}
 
 def _one_rank_group(new_group, args: tuple, kwargs: dict):
     """The group of one rank that new_group(*args, **kwargs) asks for, shared; None where it asks for another."""
-    import inspect
-
-    asked = inspect.signature(new_group).bind(*args, **kwargs).arguments
+    asked = _new_group_arguments(args, kwargs)
     ranks = asked.get("ranks")
     if (ranks is None or len(ranks) != 1 or asked.get("backend") is not None or asked.get("pg_options") is not None
             or asked.get("use_local_synchronization")):
@@ -240,12 +238,16 @@ def _destroy_megatron_state() -> None:
         moe_logging.destroy_moe_metrics_tracker()
 
 
-def _group_key(args: tuple, kwargs: dict) -> tuple:
+def _new_group_arguments(args: tuple, kwargs: dict) -> dict:
+    """The arguments of a torch.distributed.new_group call by name (those given)."""
     import inspect
 
-    bound = inspect.signature(torch.distributed.distributed_c10d.new_group).bind(*args, **kwargs)
+    return inspect.signature(torch.distributed.distributed_c10d.new_group).bind(*args, **kwargs).arguments
+
+
+def _group_key(args: tuple, kwargs: dict) -> tuple:
     key = []
-    for name, value in sorted(bound.arguments.items()):
+    for name, value in sorted(_new_group_arguments(args, kwargs).items()):
         if name == "pg_options" and value is not None:
             value = object()  # options compare by identity: never reused
         key.append((name, tuple(value) if isinstance(value, (list, range)) else value))
