@@ -69,7 +69,10 @@ def build_layer(impl: str, hidden: int, heads: int, dtype: torch.dtype, device: 
         apply_rope_fusion=False, use_cpu_initialization=device == "cpu")
     spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te
             else gpt_layer_specs.get_gpt_layer_local_spec())
-    return with_megatron_ddp_main_grads(build_module(spec, config=config, layer_number=1).to(device), device)
+    # In dtype as a whole, as megatron's Float16Module makes the model: torch's LayerNorm (the local spec's norm
+    # without apex) creates fp32 weights, which CUDA's layer_norm refuses beside bf16 input (CPU's accepts them).
+    layer = build_module(spec, config=config, layer_number=1).to(device=device, dtype=dtype)
+    return with_megatron_ddp_main_grads(layer, device)
 
 
 def with_megatron_ddp_main_grads(module, device):

@@ -102,6 +102,19 @@ def test_every_part_runs_on_cpu_and_the_check_holds(cpu_check):
     assert any(line.startswith("| a | local layer tiny") and line.endswith("| yes |") for line in rows)
     assert any(line.startswith("| a | zb-h1 start-up split check on the whole model | zero-bubble: split check: "
                                "passed, 33 layers split into B and W on 2 ranks") for line in rows), rows
-    assert any(line.startswith("| b | zb-h1 vs 1F1B, PP=2 | identical losses at all 3 iterations") for line in rows)
+    assert any(line.startswith("| b | zb-h1, PP=2, vs 1F1B | identical losses at all 3 iterations") for line in rows)
     assert any(line.startswith("| d | executor time before a W pass (zb-h1") and "µs over" in line for line in rows), rows
     assert done.stdout.rstrip().endswith("gpu_check: (a) and (b) hold")
+
+
+@pytest.mark.slow
+@pytest.mark.launches
+def test_the_one_gpu_mode_is_rehearsed_on_cpu_against_a_single_rank_run(tmp_path):
+    """The one-GPU mode's launches (two pipeline ranks against megatron on one rank, untied embeddings) on CPU: what
+    a lent GPU runs, minus the card."""
+    done = _script("--cpu", "--one-gpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-v", "--out",
+                   str(tmp_path), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| b | ")]
+    assert rows == ["| b | zb-v, PP=2, vs megatron on one rank (PP=1) | identical losses at all 3 iterations | yes |"]
+    assert "--untie-embeddings-and-output-weights" in (tmp_path / "pretrain-pp1.log").read_text().splitlines()[0]

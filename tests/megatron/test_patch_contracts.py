@@ -128,3 +128,55 @@ def test_megatrons_flag_help_texts_are_read_once_per_process_and_parse_the_same(
     assert read == classes_read + [classes_read[0]]  # the second parse read nothing; megatron's reader (above) did
     assert first == second == reference
     assert ArgumentGroupFactory._get_field_docstrings is megatrons
+
+
+def test_the_dataset_helpers_are_compiled_only_where_none_are_installed(monkeypatch, tmp_path):
+    """A pip install of megatron-core has the compiled helpers and no Makefile, so megatron's start-up `make` stopped
+    every GPU run; with the helpers installed the compile is skipped, and every rank still meets the barrier."""
+    import megatron.training.initialize as initialize
+    import torch.distributed as dist
+
+    from megatron.zero_bubble.patches import prebuilt_helpers
+
+    compiled = []
+    monkeypatch.setattr(initialize, "_compile_dependencies", lambda: compiled.append(True))
+    prebuilt_helpers.install()
+    try:
+        assert prebuilt_helpers.prebuilt()  # this machine's megatron-core has them
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+        try:
+            initialize._compile_dependencies()
+            assert compiled == []
+            monkeypatch.setattr(prebuilt_helpers, "prebuilt", lambda: False)
+            initialize._compile_dependencies()
+            assert compiled == [True]
+        finally:
+            dist.destroy_process_group()
+    finally:
+        prebuilt_helpers.uninstall()
+    initialize._compile_dependencies()
+    assert compiled == [True, True]
+
+
+def test_megatrons_gradient_reduction_is_issued_one_collective_at_a_time_on_gloo_with_cuda():
+    """gloo refuses `allreduce_coalesced` of CUDA tensors (seen on an H100), which megatron DDP's coalescing manager
+    hands it; the shared-GPU mode's patch issues the same reductions one by one, synchronously only."""
+    import inspect
+
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+
+    from megatron.zero_bubble.patches import gloo_on_cuda
+
+    original = buffers._coalescing_manager
+    assert "_coalescing_manager(communication_group, async_ops=async_op)" in inspect.getsource(buffers)
+    gloo_on_cuda.install()
+    try:
+        with buffers._coalescing_manager("group", async_ops=False) as cm:
+            pass
+        assert cm.wait() is None
+        with pytest.raises(RuntimeError, match="--overlap-grad-reduce"):
+            with buffers._coalescing_manager("group", async_ops=True):
+                pass
+    finally:
+        gloo_on_cuda.uninstall()
+    assert buffers._coalescing_manager is original

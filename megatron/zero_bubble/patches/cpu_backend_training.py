@@ -4,8 +4,6 @@ Installs the core part first (cpu_backend_core.py), then:
 - `initialize.py` sees a `torch` whose `torch.cuda` reports one device: `initialize_megatron` asserts
   CUDA unless `allow_no_cuda=True` (which `pretrain()` never passes), and with zero devices
   `_initialize_distributed` silently skips `initialize_model_parallel` and the model-parallel seed;
-- `_compile_dependencies` is skipped: it runs `make` on a source tree the wheel does not ship (the
-  compiled dataset helpers are installed already);
 - `set_jit_fusion_options` is skipped: it warms the fused kernels up on CUDA tensors;
 - the modules in `TRAINING_MODULES_SEEING_CPU_AS_CUDA` see the CPU as the device (device='cuda'
   literals, `torch.cuda.Stream` / `torch.cuda.stream` around DDP construction, CUDA RNG state);
@@ -62,7 +60,6 @@ class TrainingCpuBackend(MegatronPatch):
         def skipped(*args, **kwargs) -> None:
             return None
 
-        self.patches.replace(initialize, "_compile_dependencies", skipped)
         # pretrain() calls the name bound in training.py; initialize.py keeps its own for other callers.
         self.patches.replace(initialize, "set_jit_fusion_options", skipped)
         self.patches.replace(training, "set_jit_fusion_options", skipped)

@@ -24,12 +24,22 @@ def current_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def wire_device(group, device: torch.device) -> torch.device:
+    """Where a message travels from: gloo moves host memory only (its send of a CUDA tensor fails with "writev ...
+    Bad address", seen on an H100 with torch 2.11), so CUDA tensors on a gloo group (ranks sharing a GPU,
+    --zero-bubble-share-gpus) go through host copies; NCCL, and gloo on CPU, send where the tensor lives."""
+    if device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO:
+        return torch.device("cpu")
+    return device
+
+
 class PipelineTransport:
     def __init__(self, pp_group, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  validation_numel: int = 0, token_counts: bool = False):
         self.group = pp_group
         self.validation_numel = validation_numel  # the optimizer step's summaries (post_validation.py)
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.wire = wire_device(pp_group, device)  # buffers that send and receive; host copies on gloo with CUDA
         self._posted = 0  # receives and sends posted so far: their order on this rank
         self._recvs: dict[Message, tuple[dist.Work, torch.Tensor, int]] = {}  # ..., when it was posted
         self._sends: dict[Message, tuple[dist.Work, torch.Tensor, object, int]] = {}  # ..., on_done, when posted
@@ -50,12 +60,12 @@ class PipelineTransport:
 
     def post_recv(self, msg: Message) -> None:
         if not carries_microbatch(msg.kind):  # a summary of the optimizer step (V, S)
-            buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.device)
+            buffer = torch.empty(self.validation_numel, dtype=torch.float, device=self.wire)
         else:  # megatron receives activations and gradients into leaf tensors that require grad
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device, requires_grad=True)
+            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.wire, requires_grad=self.wire == self.device)
         self._recvs[msg] = (dist.irecv(buffer, src=self._global(msg.src), group=self.group), buffer, self._post())
         if self._with_count(msg):  # posted right after its gradient on both sides, so they pair in order
-            count = torch.zeros(1, dtype=torch.int64, device=self.device)
+            count = torch.zeros(1, dtype=torch.int64, device=self.wire)
             self._count_recvs[msg] = (dist.irecv(count, src=self._global(msg.src), group=self.group), count)
 
     def wait_recv(self, msg: Message) -> torch.Tensor:
@@ -69,6 +79,8 @@ class PipelineTransport:
             self.tokens_received = max(self.tokens_received, int(count.item()))
         for earlier in [m for m, send in self._sends.items() if m.dst == msg.src and send[3] < posted]:
             self.complete_send(earlier)  # received by now on the peer's side (see the module docstring)
+        if self.wire != self.device:  # a host copy: onto the device, as the leaf megatron would have received
+            buffer = buffer.to(self.device).requires_grad_(carries_microbatch(msg.kind))
         return buffer
 
     def _post(self) -> int:
@@ -79,7 +91,8 @@ class PipelineTransport:
         """Send asynchronously; `on_done()` runs once the send has completed (e.g. to free the output);
         `tokens`: the loss stage's token count as this rank knows it (with `token_counts`, gradients only)."""
         if not carries_microbatch(msg.kind):
-            self._sends[msg] = (dist.isend(tensor.contiguous(), dst=self._global(msg.dst), group=self.group), tensor,
+            payload = tensor.to(self.wire).contiguous()
+            self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload,
                                 on_done, self._post())
             return
         if tuple(tensor.shape) != self.shape:
@@ -87,11 +100,11 @@ class PipelineTransport:
                 f"pipeline tensor for {msg.describe()} has shape {tuple(tensor.shape)}, expected {self.shape} "
                 f"(variable sequence lengths are not supported by the zero-bubble runtime)"
             )
-        payload = tensor.detach().to(self.dtype).contiguous()  # kept alive until the send completes
+        payload = tensor.detach().to(self.wire, self.dtype).contiguous()  # kept alive until the send completes
         self._sends[msg] = (dist.isend(payload, dst=self._global(msg.dst), group=self.group), payload, on_done,
                             self._post())
         if self._with_count(msg):
-            count = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+            count = torch.tensor([tokens], dtype=torch.int64, device=self.wire)
             self._count_sends[msg] = (dist.isend(count, dst=self._global(msg.dst), group=self.group), count)
 
     def complete_send(self, msg: Message) -> None:

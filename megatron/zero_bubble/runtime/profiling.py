@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .memory_probe import HeldMemory
+from .p2p import wire_device
 
 
 class PassProfile:
@@ -155,7 +156,7 @@ def measure_p2p_seconds(pp_group, shape, dtype, device, repeats: int = 5) -> lis
     (a list with one figure per pair it led; empty on the last rank).
     """
     rank, size = pp_group.rank(), pp_group.size()
-    buffer = torch.zeros(shape, dtype=dtype, device=device)
+    buffer = torch.zeros(shape, dtype=dtype, device=wire_device(pp_group, device))
     figures = []
     for left in range(size - 1):
         if rank not in (left, left + 1):

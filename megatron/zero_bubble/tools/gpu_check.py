@@ -4,23 +4,28 @@ It reports the versions it found (torch, CUDA, NCCL, megatron-core, Transformer 
 (a) the split into B and W gives megatron's gradients bit for bit: one GPT layer of each of the paper's shapes, local
     and Transformer Engine layers (benchmarks/split_layer.py), and the start-up split check of every zero-bubble run
     of (b) on the whole model;
-(b) megatron's 1F1B against zb-h1, zb-auto and zb-v: the same loss at every iteration (pretrain_gpt.py under
-    torchrun, a small GPT, `--iterations` iterations, PP = every GPU of the node, deterministic kernels, clipping off);
+(b) zb-h1, zb-auto and zb-v against a reference: the same loss at every iteration (pretrain_gpt.py under torchrun, a
+    small GPT, `--iterations` iterations, deterministic kernels, clipping off). With two GPUs or more: PP = every
+    GPU, against megatron's 1F1B. With one (or `--one-gpu`): two pipeline ranks share the GPU
+    (--zero-bubble-share-gpus: compute, the split, the stores, the optimizer and memory on CUDA, messages over gloo
+    through host memory), against megatron on one rank of the same GPU (PP=1; untied embeddings, whose gradient
+    PP=1 sums in another order);
 (c) the split's overhead (T_B + T_W) / T_BW on the paper's 1.5B / 6.2B / 14.6B / 28.3B layer shapes, fused and split
     interleaved, min / median / max;
 (d) the executor's own time per pass with CUDA compute: the median gap before a W pass (which waits for no message)
     in the measured timeline of the zb-h1 run;
 (e) each rank's peak activation memory (max allocated minus allocated after the iteration, from megatron's memory
     report) against the planner's predicted peak for the zb-auto run.
-Exit status 0 only when (a) and (b) hold ((b) needs two GPUs: on one it is reported as not run). It prints a table to
-paste into a bug report and keeps every log in `--out`.
+Exit status 0 only when (a) and (b) hold. It prints a table to paste into a bug report and keeps every log in `--out`.
+`--jobs N` runs N launches of (b) at a time (they share the GPUs: then (d) and (e) are measured beside the others).
 
 Without CUDA it says so in one line and exits 2; `--cpu` runs every part on CPU with tiny sizes and gloo (for the
-tests of this tool: (c) and (e) mean nothing there).
+tests of this tool: (c) and (e) mean nothing there); `--cpu --one-gpu` rehearses the one-GPU mode.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.metadata
 import json
 import os
@@ -30,13 +35,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 EXIT_NO_CUDA = 2
-SCHEDULES = (("1f1b", []), ("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
+SCHEDULES = (("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
              ("zb-v", ["--zero-bubble-v-schedule"]))
+ONE_GPU_RANKS = 2  # pipeline ranks sharing the GPU in the one-GPU mode
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
                     r"max allocated: ([0-9.]+)")
@@ -47,8 +54,10 @@ SPLIT_CHECK = "zero-bubble: split check"
 class Sizes:
     """The model and launch of (b): small enough for seconds per iteration, PP = the GPUs given."""
 
-    gpus: int
+    gpus: int  # pipeline ranks (PP)
     iterations: int
+    shared: bool = False  # the ranks share one GPU (on CPU: rehearse that mode); the reference is PP=1
+    cpu: bool = False
     hidden: int = 512
     heads: int = 8
     seq: int = 512
@@ -62,6 +71,10 @@ class Sizes:
     @property
     def global_batch(self) -> int:
         return self.micro_batch * 4 * self.gpus  # m = 4p microbatches
+
+    @property
+    def reference(self) -> str:
+        return "pp1" if self.shared else "1f1b"
 
 
 @dataclass
@@ -158,33 +171,43 @@ def _env(cpu: bool) -> dict:
     return env
 
 
-def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[str]) -> dict[str, subprocess.CompletedProcess]:
-    """(b): megatron's 1F1B and `schedules` (of SCHEDULES) through pretrain_gpt.py on `sizes.gpus` ranks (PP = that)."""
+def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[str],
+                  jobs: int = 1) -> dict[str, subprocess.CompletedProcess]:
+    """(b): the reference (megatron's 1F1B at PP = `sizes.gpus`, or megatron on one rank) and `schedules` (of
+    SCHEDULES) through pretrain_gpt.py, `jobs` launches at a time."""
     model = (f"--num-layers {sizes.layers} --hidden-size {sizes.hidden} --num-attention-heads {sizes.heads} "
              f"--seq-length {sizes.seq} --max-position-embeddings {sizes.seq} --micro-batch-size {sizes.micro_batch} "
              f"--global-batch-size {sizes.global_batch} --vocab-size {sizes.vocab} --tokenizer-type NullTokenizer "
              f"--mock-data --num-workers 0 --train-iters {sizes.iterations} --lr 1e-4 --eval-iters 0 "
              f"--eval-interval {sizes.iterations + 1} --log-interval 1 --seed 1234 --init-weights-by-global-name "
-             f"--hidden-dropout 0 --attention-dropout 0 --clip-grad 0 "
-             f"--pipeline-model-parallel-size {sizes.gpus}").split()
+             f"--hidden-dropout 0 --attention-dropout 0 --clip-grad 0").split()
     if not cpu:
         model += ["--bf16", "--deterministic-mode", "--transformer-impl", "transformer_engine" if te else "local"]
-        if not te:
-            model += ["--no-gradient-accumulation-fusion"]
+        if not te:  # apex's kernels, which megatron's local layers ask for by default
+            model += ["--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+    if sizes.shared:
+        model += ["--untie-embeddings-and-output-weights"]
+    pipeline = ["--pipeline-model-parallel-size", str(sizes.gpus)]
+    if sizes.shared and not cpu:
+        pipeline += ["--zero-bubble-share-gpus", "--distributed-backend", "gloo"]
     start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
     end = start + max(1, min(3, sizes.iterations - start - 1))
     timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end)]
     ilp = {"zb-auto": ["--zero-bubble-ilp-time-limit", "5"]}  # the other schedules have no ILP and refuse the flag
-    runs = {}
+    launches = {sizes.reference: (1, model) if sizes.shared else (sizes.gpus, model + pipeline)}
     for name, flags in SCHEDULES:
-        if name != "1f1b" and name not in schedules:
-            continue
-        extra = [] if name == "1f1b" else timers + ilp.get(name, []) + ["--zero-bubble-dump-schedule",
-                                                                        str(out / f"dump-{name}")]
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sizes.gpus),
-                   "--master-port", str(_free_port()), "pretrain_gpt.py", *model, *flags, *extra]
-        runs[name] = _run(command, out / f"pretrain-{name}.log", _env(cpu))
-    return runs
+        if name in schedules:
+            launches[name] = (sizes.gpus, model + pipeline + flags + timers + ilp.get(name, []) +
+                              ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")])
+
+    def launch(name: str) -> subprocess.CompletedProcess:
+        ranks, flags = launches[name]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                   "--master-port", str(_free_port()), "pretrain_gpt.py", *flags]
+        return _run(command, out / f"pretrain-{name}.log", _env(cpu))
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        return dict(zip(launches, pool.map(launch, launches)))
 
 
 def split_layer_run(out: Path, cpu: bool, te: bool, reps: int) -> list[dict]:
@@ -211,29 +234,34 @@ def check_layers(report: Report, layers: list[dict]) -> None:
 
 
 def check_losses(report: Report, runs: dict, sizes: Sizes) -> None:
-    reference = runs["1f1b"]
+    reference = runs[sizes.reference]
     want = losses(reference.stdout)
+    against = "megatron on one rank (PP=1)" if sizes.shared else "1F1B"
     if reference.returncode != 0 or len(want) < sizes.iterations:
-        report.add("b", f"megatron 1F1B, PP={sizes.gpus}, {sizes.iterations} iterations",
-                   f"failed (exit {reference.returncode}; see pretrain-1f1b.log)", False)
+        what = "megatron, PP=1" if sizes.shared else f"megatron 1F1B, PP={sizes.gpus}"
+        report.add("b", f"{what}, {sizes.iterations} iterations",
+                   f"failed (exit {reference.returncode}; see pretrain-{sizes.reference}.log)", False)
         return
+    layout = f"PP={sizes.gpus}" + (" sharing one GPU" if sizes.shared and not sizes.cpu else "")
     for name, done in runs.items():
-        if name == "1f1b":
+        if name == sizes.reference:
             continue
         got = losses(done.stdout)
         line = split_check_line(done.stdout + done.stderr)
         report.add("a", f"{name} start-up split check on the whole model", line or "no split check line", bool(
             line and ": passed" in line))
         if done.returncode != 0:
-            report.add("b", f"{name} vs 1F1B", f"failed (exit {done.returncode}; see pretrain-{name}.log)", False)
+            report.add("b", f"{name} vs {against}", f"failed (exit {done.returncode}; see pretrain-{name}.log)", False)
             continue
         differing = [i for i in want if got.get(i) != want[i]]
         result = (f"identical losses at all {len(want)} iterations" if not differing else
                   f"differs from iteration {differing[0]} ({got.get(differing[0])} vs {want[differing[0]]})")
-        report.add("b", f"{name} vs 1F1B, PP={sizes.gpus}", result, not differing)
+        report.add("b", f"{name}, {layout}, vs {against}", result, not differing)
 
 
-def check_executor(report: Report, out: Path, schedule: str) -> None:
+def check_executor(report: Report, out: Path, schedule: str | None) -> None:
+    if schedule is None:
+        return
     traces = sorted((out / f"dump-{schedule}").glob("*measured*.trace.json"))
     gaps = executor_gaps_us(str(traces[-1])) if traces else []
     report.add("d", f"executor time before a W pass ({schedule}, measured timeline)",
@@ -264,10 +292,13 @@ def _spread_text(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_check.sh", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all, at most 8)")
+    parser.add_argument("--one-gpu", action="store_true",
+                        help=f"{ONE_GPU_RANKS} pipeline ranks share one GPU, against PP=1 (the default with one GPU)")
     parser.add_argument("--iterations", type=int, default=20, help="iterations of (b) (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of (c) (default %(default)s)")
     parser.add_argument("--schedules", default="zb-h1,zb-auto,zb-v",
-                        help="zero-bubble schedules compared with megatron's 1F1B in (b) (default %(default)s)")
+                        help="zero-bubble schedules compared with the reference in (b) (default %(default)s)")
+    parser.add_argument("--jobs", type=int, default=1, help="launches of (b) at a time (default %(default)s)")
     parser.add_argument("--out", default=None, help="directory for the logs (default: a new temporary one)")
     parser.add_argument("--cpu", action="store_true", help="run every part on CPU, tiny sizes (tests this tool)")
     args = parser.parse_args(argv)
@@ -285,18 +316,17 @@ def main(argv: list[str] | None = None) -> int:
         report.add("a", "Transformer Engine layers", "not checked: transformer-engine is not installed", None)
     check_layers(report, split_layer_run(out, args.cpu, te, args.reps))
     gpus = args.gpus or (2 if args.cpu else min(torch.cuda.device_count(), 8))
-    if gpus >= 2:
-        sizes = Sizes(gpus, args.iterations) if not args.cpu else Sizes(gpus, args.iterations, hidden=64, heads=4,
-                                                                          seq=32, vocab=128)
-        runs = pretrain_runs(sizes, out, args.cpu, te, args.schedules.split(","))
-        check_losses(report, runs, sizes)
-        check_executor(report, out, next(name for name in runs if name != "1f1b"))
-        check_memory(report, runs, out, args.cpu)
-    else:
-        report.add("b", "1F1B vs zb-h1, zb-auto, zb-v", "not run: pipeline parallelism needs 2 GPUs or more", None)
+    shared = args.one_gpu or gpus == 1
+    sizes = Sizes(ONE_GPU_RANKS if shared else gpus, args.iterations, shared=shared, cpu=args.cpu)
+    if args.cpu:
+        sizes = dataclasses.replace(sizes, hidden=64, heads=4, seq=32, vocab=128)
+    runs = pretrain_runs(sizes, out, args.cpu, te, args.schedules.split(","), args.jobs)
+    check_losses(report, runs, sizes)
+    check_executor(report, out, next((name for name in runs if name != sizes.reference), None))
+    check_memory(report, runs, out, args.cpu)
     print(report.table())
     print(f"logs: {out}")
-    ok = report.holds("a") and (report.holds("b") or gpus < 2)
+    ok = report.holds("a") and report.holds("b")
     print(f"gpu_check: {'(a) and (b) hold' if ok else 'FAILED: see the rows marked NO'}")
     return 0 if ok else 1
 

@@ -13,6 +13,7 @@ import traceback
 
 from ..schedules.planners import natural_chunks
 from .checks import ZeroBubbleOptions, check, padding_chunks
+from .devices import place_ranks
 from .layer_layout import padding_layout
 from .early import EARLY_MEGATRON_FLAGS, check_early, early_check, early_parser
 from .flags import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StartupRefusal, add_arguments
@@ -66,6 +67,7 @@ def parse_and_validate():
         refuse(str(refusal))
     except AssertionError as failed:  # megatron validates many flag combinations with a bare assert
         refuse(megatron_check_failed(failed))
+    place_ranks(args)
     if options is not None and options.post_validation:
         # megatron's default result validation reduces over every rank each iteration: a global barrier
         args.rerun_mode = "disabled"

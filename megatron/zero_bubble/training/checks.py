@@ -15,6 +15,7 @@ from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_optio
                                   multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
+from .devices import check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
 from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
@@ -199,6 +200,7 @@ def check_without_zero_bubble(args) -> None:
     check_input_files(args)
     _check_local_experts(args)
     if cuda_available():
+        check_gpu_kernels(args)
         return
     if args.distributed_backend != "gloo":
         raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
@@ -432,6 +434,7 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
         planners = " / ".join(ilp_schedules())
         raise StartupRefusal(f"--zero-bubble-ilp-time-limit bounds the ILP of {planners}'s planner, which {chosen} "
                              f"does not use; drop the flag")
+    check_shared_gpus(args, through_runtime=schedule is not None and _through_runtime(args, schedule))
     if schedule is None:
         return None
     options = check_zero_bubble(args, schedule, flag)

@@ -15,6 +15,7 @@ from ..schedules.vbudget import MEM_SETUPS
 # What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
 PIPELINE_SCHEDULES = pipeline_schedule_names()
 SPLIT_BACKWARD_SCHEDULES = split_backward_schedules()
+SHARE_GPUS = "--zero-bubble-share-gpus"  # devices.py
 DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
 
 # Flags users bring from other zero-bubble implementations (README, "Coming from another implementation").
@@ -150,6 +151,12 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        help="With --enable-optimizer-post-validation: keep a copy of the parameters and optimizer "
                        "state at each speculative step so that a rollback restores them bit for bit (default: "
                        "invert the update in place, exact to a few ulps, no extra memory).")
+    group.add_argument(SHARE_GPUS, action="store_true",
+                       help="Let a node's ranks outnumber its GPUs: local rank i computes on GPU i mod the GPU count, "
+                       "and pipeline messages go through host memory over gloo (needs --distributed-backend gloo: "
+                       "NCCL refuses two ranks on one GPU). For checking a pipeline on one GPU "
+                       "(scripts/gpu_check.sh), not for speed; pipeline and data parallelism only, with a schedule "
+                       "the zero-bubble runtime runs.")
     entry = parser.add_argument_group("pretrain_gpt.py")
     entry.add_argument("--init-weights-by-global-name", action="store_true",
                        help="Initialise every weight from a generator seeded by (--seed, its global name), "

@@ -24,10 +24,11 @@ from .layer_layout import layer_counts_of
 def prepare_process() -> None:
     """Import shims (no triton, Python 3.11), megatron's flag help texts read once per process (each start-up
     parses three times); without CUDA, the CPU backend for megatron.training."""
-    from ..patches import argument_docstrings, imports
+    from ..patches import argument_docstrings, imports, prebuilt_helpers
 
     imports.install()
     argument_docstrings.install()
+    prebuilt_helpers.install()  # a pip install of megatron-core has no Makefile for megatron's start-up `make`
     import torch
 
     if not torch.cuda.is_available():

@@ -1,0 +1,80 @@
+"""Which device each rank computes on, chosen explicitly.
+
+- CUDA where it exists: megatron puts local rank i on GPU i.
+- `--zero-bubble-share-gpus`: more ranks on a node than GPUs, rank i on GPU (i mod GPUs). NCCL refuses two ranks
+  of one communicator on one GPU, so every group is gloo (`--distributed-backend gloo`), and the runtime's
+  pipeline messages travel through host copies (runtime/p2p.py `wire_device`). Compute, the split, the stores,
+  the optimizer and memory stay on CUDA. Meant for checking a pipeline on fewer GPUs than ranks (one lent GPU:
+  `scripts/gpu_check.sh`), not for speed: the ranks take turns on the GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from .flags import SHARE_GPUS, StartupRefusal, cuda_available
+
+# Parallelism whose collectives the shared mode has not run (gloo has no reduce-scatter for CUDA tensors).
+_NOT_SHARED = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+               "context_parallel_size": "--context-parallel-size",
+               "expert_model_parallel_size": "--expert-model-parallel-size"}
+
+
+# megatron's defaults that need apex's kernels with --transformer-impl local (each stopped a run on a GPU without apex:
+# an assert, or a missing module, inside megatron).
+_APEX_DEFAULTS = {"--no-persist-layer-norm": lambda args: not args.no_persist_layer_norm,
+                  "--no-masked-softmax-fusion": lambda args: args.masked_softmax_fusion,
+                  "--no-gradient-accumulation-fusion": lambda args: args.gradient_accumulation_fusion}
+
+
+def check_gpu_kernels(args, apex: bool | None = None, transformer_engine: bool | None = None) -> None:
+    """On CUDA: the layer implementation asked for is installed, and megatron's local layers are not asked for apex's
+    kernels where apex is missing (`apex`, `transformer_engine`: whether installed; default: look)."""
+    from ..patches.te_wgrad import installed_version
+
+    if args.transformer_impl == "transformer_engine":
+        if not (installed_version() is not None if transformer_engine is None else transformer_engine):
+            raise StartupRefusal("--transformer-impl transformer_engine (megatron's default) needs transformer-engine, "
+                                 "which is not installed; install it or add --transformer-impl local")
+        return
+    if apex if apex is not None else importlib.util.find_spec("apex") is not None:
+        return
+    missing = [flag for flag, asks_for_apex in _APEX_DEFAULTS.items() if asks_for_apex(args)]
+    if missing:
+        raise StartupRefusal(f"--transformer-impl local without apex: megatron's defaults ask for apex's kernels; add "
+                             f"{' '.join(missing)} (or install apex)")
+
+
+def check_shared_gpus(args, through_runtime: bool, cuda: bool | None = None) -> None:
+    """Refuse what the shared mode cannot run, in one line naming the flag (`cuda`: whether there are GPUs; default:
+    ask torch)."""
+    if not getattr(args, "zero_bubble_share_gpus", False):
+        return
+    if not (cuda_available() if cuda is None else cuda):
+        raise StartupRefusal(f"{SHARE_GPUS} shares GPUs, and this machine has none; drop the flag")
+    if args.distributed_backend != "gloo":
+        raise StartupRefusal(f"{SHARE_GPUS} needs --distributed-backend gloo (NCCL refuses two ranks on one GPU); "
+                             f"add it")
+    if not through_runtime:
+        raise StartupRefusal(f"{SHARE_GPUS}: megatron's own schedules send CUDA tensors, which gloo cannot; add a "
+                             f"zero-bubble schedule, or --enable-zb-runtime for 1F1B through the runtime")
+    for name, flag in _NOT_SHARED.items():
+        if (getattr(args, name, 1) or 1) > 1:
+            raise StartupRefusal(f"{SHARE_GPUS} runs pipeline and data parallelism only; drop {flag}")
+    if args.overlap_grad_reduce or args.overlap_param_gather:
+        raise StartupRefusal(f"{SHARE_GPUS} reduces gradients synchronously (gloo cannot coalesce CUDA collectives); "
+                             f"drop --overlap-grad-reduce / --overlap-param-gather")
+    if args.use_distributed_optimizer:
+        raise StartupRefusal(f"{SHARE_GPUS} cannot run --use-distributed-optimizer (gloo has no reduce-scatter for "
+                             f"CUDA tensors); drop one of them")
+
+
+def place_ranks(args) -> None:
+    """With shared GPUs: the GPU megatron sets for this rank (it sets GPU `args.local_rank`), and megatron's gradient
+    reduction one collective at a time (gloo reduces CUDA tensors, but not coalesced: patches/gloo_on_cuda.py)."""
+    if getattr(args, "zero_bubble_share_gpus", False):
+        import torch
+
+        from ..patches import gloo_on_cuda
+
+        args.local_rank %= torch.cuda.device_count()
+        gloo_on_cuda.install()
