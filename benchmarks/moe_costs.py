@@ -67,6 +67,10 @@ def measure(a, moe: bool, work: str) -> dict:
                "--zero-bubble-pipeline-timers-start-iter", str(a.timer_start),
                "--zero-bubble-pipeline-timers-end-iter", str(a.timer_end),
                "--zero-bubble-ilp-time-limit", "5", "--zero-bubble-dump-schedule", dump]
+    import torch
+
+    if not torch.cuda.is_available():
+        command.append("--zero-bubble-cpu")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode:

@@ -17,7 +17,7 @@ export CUDA_VISIBLE_DEVICES=""  # the CPU demo, also on a machine with GPUs
 # ZB-V places layers on other ranks than 1F1B. Weights initialised by global name, no dropout and a gradient
 # clipping bound never reached (the norm's summation order depends on the layout) make every layout
 # compute the same model, so all four loss columns must be identical.
-MODEL="--pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32
+MODEL="--zero-bubble-cpu --pipeline-model-parallel-size 4 --num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32
   --max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 16 --vocab-size 128
   --tokenizer-type NullTokenizer --mock-data --num-workers 0 --train-iters $ITERS --lr 1e-3 --eval-iters 0
   --eval-interval $ITERS --log-interval 1 --seed 1234 --init-weights-by-global-name --hidden-dropout 0

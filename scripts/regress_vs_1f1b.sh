@@ -35,10 +35,13 @@ MODEL_ARGS=${MODEL_ARGS:---num-layers $((2 * PP)) --hidden-size 64 --num-attenti
 ZB_ARGS=${ZB_ARGS:---zero-bubble-pipeline-timers-start-iter 3 --zero-bubble-pipeline-timers-end-iter 6}
 ILP_ARGS=${ILP_ARGS:---zero-bubble-ilp-time-limit 5}  # zb-auto only: the other schedules have no ILP and refuse it
 V_REFERENCE_ARGS="--init-weights-by-global-name --hidden-dropout 0 --attention-dropout 0 --clip-grad 1e9"
-[ "${DEVICE:-}" = cpu ] && export CUDA_VISIBLE_DEVICES=""
+device_args=""
+if [ "${DEVICE:-}" = cpu ] || ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  device_args=--zero-bubble-cpu  # pretrain_gpt.py trains on the CPU only when asked to
+fi
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # megatron asks for it with tensor parallelism on GPU
 mkdir -p "$OUT"
-device=$("$PY" -c "import torch; print('GPU' if torch.cuda.is_available() else 'CPU (gloo)')")
+device=$([ -n "$device_args" ] && echo "CPU (gloo)" || echo GPU)
 echo "== regression vs 1F1B: PP=$PP TP=$TP, $NPROC processes, $ITERS iterations, $device; logs in $OUT/ =="
 
 trained=()
@@ -53,7 +56,7 @@ train() {
   "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
     --pipeline-model-parallel-size "$PP" --tensor-model-parallel-size "$TP" $MODEL_ARGS \
     --train-iters "$ITERS" --lr 1e-3 --eval-iters 0 --eval-interval "$ITERS" --log-interval 1 --seed 1234 \
-    "$@" ${EXTRA_ARGS:-} >"$OUT/$name.log" 2>&1
+    $device_args "$@" ${EXTRA_ARGS:-} >"$OUT/$name.log" 2>&1
   local rc=$?
   if [ $rc -ne 0 ]; then
     echo "$name: pretrain_gpt.py failed (exit $rc) after $((SECONDS - start)) s; see $OUT/$name.log:"

@@ -2,6 +2,7 @@
 messages travel, and the patch of megatron's coalesced gradient reduction it needs. No process launched."""
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -89,3 +90,42 @@ def test_transformer_engine_layers_need_transformer_engine():
     message = _kernels_refusal(apex=False, te=False, transformer_impl="transformer_engine")
     assert message is not None and "--transformer-impl local" in message
     assert _kernels_refusal(apex=False, te=True, transformer_impl="transformer_engine") is None
+
+
+def test_the_cpu_is_used_only_when_asked_for():
+    """A GPU node whose driver is broken would otherwise train on the CPU without a word."""
+    from megatron.zero_bubble.training.devices import check_device_choice
+
+    def refusal(cuda: bool, **flags) -> str | None:
+        try:
+            check_device_choice(types.SimpleNamespace(**flags), cuda=cuda)
+        except StartupRefusal as refused:
+            return str(refused)
+        return None
+
+    assert refusal(cuda=False).endswith("to train on the CPU with gloo (slow), add --zero-bubble-cpu")
+    assert refusal(cuda=False, zero_bubble_cpu=True) is None
+    assert refusal(cuda=True) is None
+    assert "keep one of them" in refusal(cuda=True, zero_bubble_cpu=True, zero_bubble_share_gpus=True)
+
+
+def test_without_cuda_pretrain_gpt_stops_in_one_line_naming_the_opt_in():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", "--num-layers", "2"], capture_output=True, text=True,
+                          timeout=120, cwd=__file__.rsplit("/tests/", 1)[0], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: no CUDA device here (torch.cuda.is_available() is False: check the driver and "
+        "CUDA_VISIBLE_DEVICES); to train on the CPU with gloo (slow), add --zero-bubble-cpu")
+
+
+def test_asking_for_the_cpu_hides_the_gpus_before_torch_looks(monkeypatch):
+    from megatron.zero_bubble.training.devices import hide_gpus_if_asked
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    hide_gpus_if_asked(["pretrain_gpt.py", "--num-layers", "2"])
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+    hide_gpus_if_asked(["pretrain_gpt.py", "--zero-bubble-cpu"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""

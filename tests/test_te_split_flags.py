@@ -10,7 +10,7 @@ from megatron.zero_bubble.patches import te_wgrad
 from megatron.zero_bubble.training import arguments
 from megatron.zero_bubble.training.checks import check_transformer_engine_split
 
-MODEL = ["--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
+MODEL = ["--zero-bubble-cpu", "--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
 
 

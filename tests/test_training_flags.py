@@ -11,7 +11,7 @@ from megatron.zero_bubble.training import arguments
 from megatron.zero_bubble.training.checks import chosen_schedule
 from megatron.zero_bubble.training.flags import SCHEDULE_ALIASES, UNSUPPORTED_FLAGS
 
-MODEL = ["--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
+MODEL = ["--zero-bubble-cpu", "--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
 
 

@@ -306,7 +306,7 @@ def _megatron_assert() -> dict:
     through the start-up's parse_and_validate on one rank: its exit status and what it printed."""
     from megatron.zero_bubble.training import arguments
 
-    sys.argv = ["pretrain_gpt.py", *("--num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
+    sys.argv = ["pretrain_gpt.py", *("--zero-bubble-cpu --num-layers 2 --hidden-size 8 --num-attention-heads 2 --seq-length 8 "
                                      "--max-position-embeddings 8 --micro-batch-size 1 --global-batch-size 1 "
                                      "--train-iters 1 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 16 "
                                      "--mock-data --save /nonexistent-zb-test/ckpt").split()]

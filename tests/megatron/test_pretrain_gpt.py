@@ -26,7 +26,7 @@ from tests.megatron import process_groups
 from tests.megatron.pretrain_driver import REPO
 ITERS = 5
 MODEL = (
-    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--zero-bubble-cpu --num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
     "--micro-batch-size 2 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
     "--hidden-dropout 0 --attention-dropout 0 --init-weights-by-global-name --seed 1234"
 ).split()

@@ -9,7 +9,7 @@ import pytest
 from tests.markers import starts_in_background
 from tests.megatron.pretrain_driver import Background, torchrun_command
 
-TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+TINY = ("--zero-bubble-cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
         "--train-iters 2 --lr 1e-3 --num-workers 0 --eval-iters 0 --eval-interval 1000 --log-interval 1 "
         "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1").split()

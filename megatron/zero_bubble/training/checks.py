@@ -15,7 +15,7 @@ from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_optio
                                   multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
-from .devices import check_gpu_kernels, check_shared_gpus
+from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
 from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
@@ -426,6 +426,7 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
 def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
     """All start-up checks on parsed (not yet megatron-validated) arguments (`argv`: the command line they were
     parsed from, for what must be given explicitly); None without zero bubble."""
+    check_device_choice(args)
     check_without_zero_bubble(args)
     check_paths(args)
     schedule, flag = check_flags(args)

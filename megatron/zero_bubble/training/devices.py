@@ -1,6 +1,8 @@
 """Which device each rank computes on, chosen explicitly.
 
 - CUDA where it exists: megatron puts local rank i on GPU i.
+- `--zero-bubble-cpu`: the CPU backend and gloo, only when asked for; without it a machine where torch sees no CUDA
+  device stops at start-up (a GPU node with a broken driver would otherwise train on the CPU without a word).
 - `--zero-bubble-share-gpus`: more ranks on a node than GPUs, rank i on GPU (i mod GPUs). NCCL refuses two ranks
   of one communicator on one GPU, so every group is gloo (`--distributed-backend gloo`), and the runtime's
   pipeline messages travel through host copies (runtime/p2p.py `wire_device`). Compute, the split, the stores,
@@ -11,12 +13,30 @@ from __future__ import annotations
 
 import importlib.util
 
-from .flags import SHARE_GPUS, StartupRefusal, cuda_available
+import os
+
+from .flags import ON_CPU, SHARE_GPUS, StartupRefusal, cuda_available
 
 # Parallelism whose collectives the shared mode has not run (gloo has no reduce-scatter for CUDA tensors).
 _NOT_SHARED = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                "context_parallel_size": "--context-parallel-size",
                "expert_model_parallel_size": "--expert-model-parallel-size"}
+
+
+def check_device_choice(args, cuda: bool | None = None) -> None:
+    """The CPU only when asked for; `cuda`: whether torch sees a CUDA device (default: ask torch)."""
+    cpu = getattr(args, "zero_bubble_cpu", False)
+    if cpu and getattr(args, "zero_bubble_share_gpus", False):
+        raise StartupRefusal(f"{ON_CPU} and {SHARE_GPUS} ask for different devices; keep one of them")
+    if not cpu and not (cuda_available() if cuda is None else cuda):
+        raise StartupRefusal(f"no CUDA device here (torch.cuda.is_available() is False: check the driver and "
+                             f"CUDA_VISIBLE_DEVICES); to train on the CPU with gloo (slow), add {ON_CPU}")
+
+
+def hide_gpus_if_asked(argv: list[str]) -> None:
+    """With --zero-bubble-cpu, torch sees no GPU: set before torch first asks CUDA for its devices."""
+    if ON_CPU in argv:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 # megatron's defaults that need apex's kernels with --transformer-impl local (each stopped a run on a GPU without apex:

@@ -12,6 +12,7 @@ import sys
 
 from ..schedules.planners import natural_chunks
 from .checks import nearest_multiples, check_flags, check_input_files, check_paths
+from .devices import check_device_choice
 from .flags import StartupRefusal, refuse_argparse_error, add_zero_bubble_flags
 from .refusal import refuse
 
@@ -74,6 +75,7 @@ def early_check(argv: list[str] | None = None) -> None:
 def check_early(argv: list[str]) -> None:
     """The checks of `early_check`; raises StartupRefusal."""
     args, _ = early_parser().parse_known_args(argv)
+    check_device_choice(args)
     check_paths(args)
     check_input_files(args)
     if args.yaml_cfg or args.use_checkpoint_args:

@@ -16,6 +16,7 @@ from ..schedules.vbudget import MEM_SETUPS
 PIPELINE_SCHEDULES = pipeline_schedule_names()
 SPLIT_BACKWARD_SCHEDULES = split_backward_schedules()
 SHARE_GPUS = "--zero-bubble-share-gpus"  # devices.py
+ON_CPU = "--zero-bubble-cpu"
 DEFAULT_TIMERS = (100, 110)  # timer window [start, end) in iterations, as in the paper's implementation
 
 # Flags users bring from other zero-bubble implementations (README, "Coming from another implementation").
@@ -151,6 +152,10 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        help="With --enable-optimizer-post-validation: keep a copy of the parameters and optimizer "
                        "state at each speculative step so that a rollback restores them bit for bit (default: "
                        "invert the update in place, exact to a few ulps, no extra memory).")
+    group.add_argument(ON_CPU, action="store_true",
+                       help="Train on the CPU with gloo: slow, for trying zero bubble and for tests. Without it, a "
+                       "machine where torch sees no CUDA device stops at start-up (a GPU node with a broken driver "
+                       "would otherwise train a thousand times slower); with it, the GPUs are not used.")
     group.add_argument(SHARE_GPUS, action="store_true",
                        help="Let a node's ranks outnumber its GPUs: local rank i computes on GPU i mod the GPU count, "
                        "and pipeline messages go through host memory over gloo (needs --distributed-backend gloo: "
