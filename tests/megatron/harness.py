@@ -50,6 +50,15 @@ from tests.megatron.process_groups import (
 )
 
 DEFAULT_TIMEOUT_S = 180.0
+# Every case's messages go through the stand-in of NCCL's point-to-point (runtime/strict_p2p.py): in order per
+# process group, a send done only with its receive. gloo alone would forgive what NCCL does not. A stuck operation
+# fails the case after a minute, naming itself (the watchdog, which would end the process, is off here).
+
+
+def _strict_messaging():
+    from megatron.zero_bubble.runtime.messaging import MessagingOptions
+
+    return MessagingOptions(strict=True, watchdog_timeout_s=0, strict_timeout_s=60.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,9 +515,14 @@ class CaseRun:
         if v_stages is not None:  # the V placement must be in place before the groups are made
             destroy_parallel_state()
         self.session = self._exit.enter_context(ZeroBubbleSession(
-            schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.every_stage_buckets, observer=self.observer))
+            schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.every_stage_buckets, observer=self.observer,
+            messaging=_strict_messaging()))
         try:
             init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
+            if self.session.executor is not None:  # the pair groups, made before any iteration is looked at
+                from megatron.core import parallel_state
+
+                self.session.executor.connect(parallel_state.get_pipeline_model_parallel_group())
             self.chunks = build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout,
                                            calculate_per_token_loss=case.per_token)
             self.ddp = case.ddp or case.megatron_optimizer

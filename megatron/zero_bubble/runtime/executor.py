@@ -19,7 +19,8 @@ from ..schedules.schedule import Schedule, ScheduleError
 from .iteration import Iteration, IterationStats, LoweredRun, PassObserver, StepValidation
 from .megatron_passes import MegatronPasses, MegatronRun
 from .memory_probe import MemoryProbe
-from .p2p import PipelineTransport, current_device
+from .messaging import Messaging, MessagingOptions
+from .p2p import current_device
 from .replay import Rewind
 from .split_check import ChunkRun, SplitCheck, fixed_input, keep_attributes
 from .wgrad_store import WeightGradStore
@@ -45,8 +46,9 @@ class PipelineExecutor:
     """
 
     def __init__(self, plan_for: Callable[[int], Schedule], megatron, observer: PassObserver | None = None,
-                 split_check: SplitCheck | None = None):
+                 split_check: SplitCheck | None = None, messaging: MessagingOptions | None = None):
         self.plan_for = plan_for
+        self.messaging = Messaging(messaging)  # links, p2p operations, watchdog and faults (messaging.py)
         self.megatron = megatron
         self.observer = observer
         self.split_check = split_check
@@ -59,6 +61,9 @@ class PipelineExecutor:
 
     def attach_post_validation(self, controller: StepValidation | None) -> None:
         self.post_validation = controller
+        if controller is not None:  # its flush sends the step's sums along the pipeline's links
+            controller.make_transport = lambda *args, **kwargs: self.messaging.transport(controller.pp_group, *args,
+                                                                                          **kwargs)
 
     # -- set-up checks and caches --------------------------------------------------------------------
     def _stores_for(self, chunks: list[torch.nn.Module], split: bool) -> list[WeightGradStore]:
@@ -84,6 +89,16 @@ class PipelineExecutor:
         for store in self.stores:
             store.detach()
         self.stores, self._attached_to = [], None
+
+    def connect(self, pp_group) -> None:
+        """Make the pipeline's pair groups now (collective over every rank of the job; otherwise the first call
+        makes them)."""
+        self.messaging.links(pp_group)
+
+    def close(self) -> None:
+        """release(), and the pair groups, streams and watchdog of the messages (at the end of the run)."""
+        self.release()
+        self.messaging.close()
 
     def _lowered_run(self, schedule: Schedule, forward_only: bool) -> LoweredRun:
         """The lowering of `schedule`, computed and checked once per schedule."""
@@ -209,13 +224,13 @@ class PipelineExecutor:
         if rollback is not None and validation.has_pending:  # the V pass may ask for a replay
             rewind = Rewind(run.iterators, self.megatron, self.megatron.forward_accumulators(chunks))
             run.iterators = rewind.iterators
+        transport = self.messaging.transport(pp_group, shape, config.pipeline_dtype, device,
+                                             validation_numel=validation.size if validation else 0,
+                                             token_counts=validation is not None and config.calculate_per_token_loss)
         iteration = Iteration(
             schedule=lowered.schedule, rank=rank,
             compute=MegatronPasses(self.megatron, run, device, tokens_divided_later=validation is not None),
-            transport=PipelineTransport(pp_group, shape, config.pipeline_dtype, device,
-                                        validation_numel=validation.size if validation else 0,
-                                        token_counts=validation is not None and config.calculate_per_token_loss),
-            stores=stores, validation=validation,
+            transport=transport, stores=stores, validation=validation, faults=self.messaging.faults,
             rollback=rollback, rewind=rewind, observer=pass_observer or self.observer, memory=memory,
         )
         if config.timers is not None:
@@ -224,7 +239,11 @@ class PipelineExecutor:
             self._prepare_stores(chunks)
             for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
                 param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules start them
-        iteration.run(lowered.programs[rank])
+        self.messaging.watch(transport, lowered.consumers(rank).get)
+        try:
+            iteration.run(lowered.programs[rank])
+        finally:
+            self.messaging.watch(None)
         iteration.finish_backward()
         if config.timers is not None:
             config.timers("forward-backward").stop()

@@ -24,6 +24,7 @@ from ..schedules.costs import Costs
 from ..schedules.ops import Kind, Op
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
+from .faults import Faults
 from .memory_probe import HeldMemory, MemoryProbe
 from .p2p import PipelineTransport
 from .replay import Rewind
@@ -77,8 +78,8 @@ class PassCompute(Protocol):
     def loss_scale_changed(self) -> None:
         """A validation moved the loss scale after forward passes handed the old one on."""
 
-    def synchronize(self) -> None:
-        """Wait for the device, so that a pass's clock reads its compute (observed passes only)."""
+    def pass_timer(self, clock: Callable[[], float]):
+        """What times an observed pass's compute (pass_timer.py): start(), stop() -> (start, end) on `clock`."""
 
     def token_count(self) -> int:
         """The tokens this call's loss functions counted on this rank (0 where there is no loss)."""
@@ -105,6 +106,7 @@ class LoweredRun:
     schedule: Schedule
     programs: list
     rollbacks: list | None
+    _consumers: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, schedule: Schedule, forward_only: bool = False) -> LoweredRun:
@@ -122,6 +124,14 @@ class LoweredRun:
 
     def rollback(self, rank: int):
         return self.rollbacks[rank] if self.rollbacks else None
+
+    def consumers(self, rank: int) -> dict:
+        """Message -> the pass of this rank that needs it (what the watchdog names)."""
+        found = self._consumers.get(rank)
+        if found is None:
+            found = self._consumers[rank] = {consumed(self.schedule, rank, p): p for p in self.schedule.ranks[rank]}
+            found.pop(None, None)
+        return found
 
 
 def forward_only_schedule(schedule: Schedule) -> Schedule:
@@ -144,6 +154,8 @@ class Iteration:
     rewind: Rewind | None = None  # set when a step is pending, so the passes before V can be replayed
     observer: PassObserver | None = None
     memory: MemoryProbe | None = None  # reads the allocator after each compute pass (profiled calls only)
+    faults: Faults = field(default_factory=Faults)  # injected on purpose (tests of clean stops: faults.py)
+    timer: object = None  # times observed compute passes (pass_timer.py), made at the first one
     clock: Callable[[], float] = time.perf_counter
     backward_finished: bool = False
     replaying: bool = False
@@ -162,11 +174,16 @@ class Iteration:
 
     def run(self, program: list) -> None:
         settle = self.settle
+        lost = self.faults.lost_send(program) if self.faults else None
         for item in program:
             if isinstance(item, Recv):
                 self.transport.post_recv(item.msg)
             elif isinstance(item, Send):
                 tensor, on_done = self.outgoing.pop(item.msg)
+                if item.msg == lost:  # on purpose: as if sent, but the peer waits for it until its watchdog fires
+                    if on_done is not None:
+                        on_done()
+                    continue
                 self.transport.post_send(item.msg, tensor, on_done, tokens=self.tokens_known())
                 settle()  # right after V's result went on (a no-op after other sends)
             elif item.op == Op.V:
@@ -177,9 +194,11 @@ class Iteration:
                 self._observed(item, self.step_statistics)
             else:
                 settle()  # no pass may run on weights that are not validated yet
+                if self.faults and self.faults.delay_s:
+                    time.sleep(self.faults.delay_s)  # a slow rank, on purpose
                 self.transport.reap_sends()
                 self._await_inputs(item)
-                self._observed(item, self._compute_pass[item.op], synchronize=True)
+                self._observed(item, self._compute_pass[item.op], compute=True)
                 self._account(item)
         settle()
         self.transport.finish()
@@ -187,17 +206,21 @@ class Iteration:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
 
-    def _observed(self, p: Pass, run: Callable, synchronize: bool = False):
+    def _observed(self, p: Pass, run: Callable, compute: bool = False):
+        """Run a pass; an observer sees its start and end (a compute pass's as its timer reads them)."""
         observer = None if self.replaying else self.observer
         if observer is None:
             return run(p)
-        if synchronize:
-            self.compute.synchronize()
-        start = self.clock()
+        if not compute:
+            start = self.clock()
+            result = run(p)
+            observer(p, start, self.clock())
+            return result
+        if self.timer is None:
+            self.timer = self.compute.pass_timer(self.clock)
+        self.timer.start()
         result = run(p)
-        if synchronize:
-            self.compute.synchronize()
-        observer(p, start, self.clock())
+        observer(p, *self.timer.stop())
         return result
 
     def finish_backward(self) -> None:

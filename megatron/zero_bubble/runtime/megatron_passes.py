@@ -17,6 +17,7 @@ import torch
 
 from ..schedules.schedule import Pass
 from ..schedules.ops import Op
+from .pass_timer import pass_timer
 from .wgrad_store import WeightGradStore
 
 
@@ -132,9 +133,8 @@ class MegatronPasses:
     def loss_scale_changed(self) -> None:
         self.megatron.reset_forward_loss_scales(self.run.config, self.run.num_microbatches, self.run.cp_size)
 
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+    def pass_timer(self, clock):
+        return pass_timer(self.device, clock)
 
     def token_count(self) -> int:
         return int(self.total_num_tokens.item())

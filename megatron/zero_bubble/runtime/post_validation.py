@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from ..schedules.comm import Recv, Send, consumed, lower
 from ..schedules.post_validation import validation_only
 from . import step_statistics
-from .p2p import PipelineTransport, current_device
+from .p2p import current_device
 from .step_undo import StepUndo
 
 # The summary tensor that travels between stages: squared norms and inf flags (step_statistics.SummaryLayout),
@@ -113,6 +114,8 @@ class PostValidation:
     layout: str = "single"
     chunks: int = 1
     zero_grad_owed: list = field(default_factory=list)  # deferred zero_grad calls, run after validation
+    # (shape, dtype, device, **options) -> a PipelineTransport on the pipeline's links (the executor sets it)
+    make_transport: Callable | None = None
     pending: _Pending | None = None
     final: torch.Tensor | None = None  # the full sums, on the chain's last rank, until sent in the next V
     last_outcome: Outcome | None = None
@@ -285,7 +288,7 @@ class PostValidation:
         Every rank must call it at the same point; the sums take the V passes' way along the ranks, lowered
         as in a schedule."""
         schedule = validation_only(self.stages, self.chunks, self.layout)
-        transport = PipelineTransport(self.pp_group, (1,), torch.float, self.device, validation_numel=self.size)
+        transport = self.make_transport((1,), torch.float, self.device, validation_numel=self.size)
         summary = None
         for item in lower(schedule)[self.stage]:
             if isinstance(item, Recv):

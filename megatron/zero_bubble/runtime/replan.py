@@ -49,12 +49,13 @@ class ReplanningPipeline:
     """Callable like megatron's forward_backward functions; see the module docstring."""
 
     def __init__(self, settings: PlanSettings, current_iteration: Callable[[], int], megatron,
-                 log: Callable[[str], None] = print, split_check=None):
+                 log: Callable[[str], None] = print, split_check=None, messaging=None):
         self.settings = settings
         self.current_iteration = current_iteration
         self.megatron = megatron  # patches.megatron_adapter.MegatronAdapter
         self.log = log  # one line; the caller prints it on global rank 0 only
-        self.executor = PipelineExecutor(self.plan_for, megatron, split_check=split_check)  # split_check.SplitCheck
+        # split_check.SplitCheck; messaging: messaging.MessagingOptions
+        self.executor = PipelineExecutor(self.plan_for, megatron, split_check=split_check, messaging=messaging)
         self.planner = RankZeroPlanner(settings, log)
         self.schedules: dict[int, Schedule] = {}  # by number of microbatches (training and evaluation)
         self.profiler: Profiler | None = None
@@ -68,6 +69,9 @@ class ReplanningPipeline:
 
     def release(self) -> None:
         self.executor.release()
+
+    def close(self) -> None:
+        self.executor.close()
 
     # -- the forward-backward call ---------------------------------------------------------------------
     def __call__(self, **kwargs):

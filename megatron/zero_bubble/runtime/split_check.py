@@ -15,6 +15,11 @@ difference, two more fused runs differ from the first), split and fused are comp
 difference among the three fused runs instead, and the line says so. A wrong W (a layer whose deferred gradient
 differs) differs by far more than such noise.
 
+Every rank runs the same passes, and so issues the same collectives (tensor and expert parallelism): before each
+branch that a difference decides (the re-runs that measure the noise, stopping at the first chunk that differs), the
+ranks agree on whether any of them found one (`any_rank`). A kernel that is not bit-reproducible may make one rank
+differ and its tensor-parallel peer not; deciding alone, they would issue different collectives and hang.
+
 `SplitCheck.run` returns this rank's `RankResult`; `SplitCheck.conclude` gathers every rank's and logs one line on
 rank 0 (`zero-bubble: split check: ...`), or raises `SplitCheckFailed` with one line on every rank.
 """
@@ -29,6 +34,8 @@ import torch.distributed as dist
 
 from ..schedules.ops import Op
 from ..schedules.schedule import Pass
+from .faults import Faults
+from .p2p import current_device
 
 NOISE_FACTOR = 4.0  # split may differ from fused by this many times fused's own run-to-run spread
 
@@ -61,8 +68,11 @@ class ChunkRun:
 class SplitCheck:
     """One per executor: `done` once the check has run (it runs once, before the first training iteration)."""
 
-    def __init__(self, log: Callable[[str], None] = print):
+    def __init__(self, log: Callable[[str], None] = print, faults: tuple = (),
+                 agree: Callable[[bool], bool] | None = None):
         self.log = log
+        self.faults = faults  # faults.Fault of the run (split-mismatch perturbs this rank's split gradients)
+        self.agree = agree or any_rank  # whether any rank of the job found a difference
         self.done = False
         self.results: list[RankResult] = []
 
@@ -73,10 +83,12 @@ class SplitCheck:
         start = time.perf_counter()
         saved = GradientState([p for chunk in chunks for p in chunk.parameters() if p.requires_grad])
         result = RankResult(dist.get_rank() if dist.is_initialized() else 0, 0, 0, 0.0)
+        perturb = Faults(self.faults, result.rank).split_mismatch
         try:
             for run in runs:
-                self._check_chunk(compute, stores[run.chunk], names(chunks[run.chunk]), run, rewind, saved, result)
-                if result.mismatch is not None:
+                self._check_chunk(compute, stores[run.chunk], names(chunks[run.chunk]), run, rewind, saved, result,
+                                  perturb)
+                if self.agree(result.mismatch is not None):  # every rank stops at the same chunk
                     break
         finally:
             compute.grad_sync.release_all()
@@ -88,7 +100,8 @@ class SplitCheck:
         self.done = True
         return result
 
-    def _check_chunk(self, compute, store, named: dict, run: ChunkRun, rewind, saved, result: RankResult) -> None:
+    def _check_chunk(self, compute, store, named: dict, run: ChunkRun, rewind, saved, result: RankResult,
+                     perturb: bool = False) -> None:
         def one(split: bool) -> dict:
             rewind.rewind()
             compute.restart()
@@ -97,13 +110,17 @@ class SplitCheck:
             return {name: _grad_of(p).clone() for name, p in named.items() if _grad_of(p) is not None}
 
         fused, split = one(split=False), one(split=True)
+        if perturb:  # the injected fault: this rank's split differs, its peers' not
+            split = _perturbed(split)
         deferred = {id(p) for p in store.weights}
         result.deferred_layers += len({name.rsplit(".", 1)[0] for name, p in named.items() if id(p) in deferred})
         result.compared += len(fused)
         first = _first_difference(fused, split)
+        if not self.agree(first is not None):
+            return
+        noise = _relative_spread([fused, one(split=False), one(split=False)])  # on every rank: same collectives
         if first is None:
             return
-        noise = _relative_spread([fused, one(split=False), one(split=False)])
         if noise > 0.0:
             result.noise = max(result.noise or 0.0, noise)
             first = _first_difference(fused, split, tolerance=NOISE_FACTOR * noise)
@@ -133,6 +150,25 @@ class SplitCheck:
         self.log(f"zero-bubble: split check: passed, {sum(r.deferred_layers for r in results)} layers split into B and W "
                  f"on {len(results)} ranks ({sum(r.compared for r in results)} parameter gradients compared, fused "
                  f"and split {how}), {max(r.seconds for r in results):.2f} s")
+
+
+def any_rank(found: bool) -> bool:
+    """Whether any rank of the job found it (every rank calls this at the same point)."""
+    if not dist.is_initialized():
+        return found
+    flag = torch.tensor([int(found)], dtype=torch.int32, device=current_device())  # NCCL reduces device tensors
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _perturbed(grads: dict) -> dict:
+    """The gradients with the first one's first element moved by one: a difference no noise explains."""
+    name = next(iter(grads), None)
+    if name is None:
+        return grads
+    changed = grads[name].clone()
+    changed.view(-1)[0] += 1.0
+    return {**grads, name: changed}
 
 
 def _one_microbatch(compute, store, run: ChunkRun, split: bool) -> None:

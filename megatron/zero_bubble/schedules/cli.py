@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from .comm import check_lowering, lower
 from .costs import DEFAULT_MW_RATIO, TIME_UNITS, Costs
 from .draw import (check_picture_path, comparison_table, draw, draw_budget_curve, draw_stacked, render_text,
                    simulation_report)
@@ -26,6 +27,7 @@ from .planners import (SCHEDULE_NAMES, SCHEDULES, PlanRequest, accepts_chunks, c
                        ilp_schedules, layout_of, multi_chunk_schedules, natural_chunks, plan_with_timeline,
                        schedule_kind)
 from .post_validation import with_post_validation
+from .program import TRANSPORT, program_json, simulate_program
 from .problem import MemoryLimit
 from .schedule import Schedule, ScheduleError, stage_owner
 from .simulate import Timeline
@@ -297,6 +299,13 @@ def cmd_export(args) -> None:
         makespan=timeline.makespan,
         peak_memory=timeline.peak_memory,
     )
+    if args.program:
+        programs = lower(schedule, costs, timeline)  # what the runtime runs: proven under every channel model
+        check_lowering(schedule, programs)
+        streams = simulate_program(schedule, programs, costs)
+        schedule.info["predicted"].update(bubble_rate_on_streams=streams.bubble_rate, makespan_on_streams=streams.makespan)
+        schedule.info["transport"] = TRANSPORT
+        schedule.info["programs"] = program_json(schedule, programs)
     text = schedule.to_json(indent=1) + "\n"
     if args.output:
         Path(args.output).write_text(text)
@@ -305,8 +314,11 @@ def cmd_export(args) -> None:
 
 
 def cmd_simulate(args) -> None:
-    timeline = schedule_and_timeline(args)[2]
+    schedule, costs, timeline = schedule_and_timeline(args)
     print(simulation_report(timeline))
+    streams = simulate_program(schedule, lower(schedule, costs, timeline), costs)
+    print(f"with the runtime's sends and receives on NCCL's in-order streams (T_comm each): makespan "
+          f"{streams.makespan:.6g} {costs.time_unit}, bubble rate {streams.bubble_rate:.4f} (paper's measure)")
     if args.trace:
         unit_ms = TIME_UNITS[timeline.costs.time_unit] / TIME_UNITS["ms"]
         write_trace(chrome_trace(timeline_rows(timeline, unit_ms), source="simulated",
@@ -445,6 +457,9 @@ def build_parser(extensions=()) -> argparse.ArgumentParser:
                               description="print the schedule JSON (or write it with -o)")
     _one_schedule_options(sub)
     sub.add_argument("-o", "--output", help="write the JSON to this file instead of stdout")
+    sub.add_argument("--program", action="store_true",
+                     help="add each rank's program as the runtime runs it: compute passes and every send and receive "
+                          "as posted, with its message, peer and process group (key 'programs'; format in docs)")
     sub.set_defaults(run=cmd_export)
     sub = commands.add_parser("simulate", parents=[common], help="print bubble rates, makespan and peak memory",
                               description="print bubble rates, makespan and peak memory")

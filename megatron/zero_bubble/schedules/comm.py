@@ -17,6 +17,7 @@ from collections import deque
 from operator import itemgetter
 from typing import NamedTuple, Union
 
+from .channels import MODELS, ChannelModel
 from .costs import Costs
 from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
@@ -226,82 +227,149 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
     return programs
 
 
-def check_lowering(schedule: Schedule, programs: list[list[Action]]) -> None:
-    """Replay the programs with in-order matching per rank pair; raise ScheduleError on any mismatch or deadlock.
+def check_lowering(schedule: Schedule, programs: list[list[Action]], channel: ChannelModel | None = None) -> None:
+    """Replay the programs under a channel model (channels.py), or under every model of channels.MODELS when none
+    is given; raise ScheduleError naming the model and the first wait of any mismatch or deadlock.
 
-    Posting a Send or Recv never blocks; a compute pass waits until the message it consumes was received.
-    On each rank pair, operations complete strictly in posting order, head against head (as NCCL's
-    per-pair stream does, which also covers gloo's looser rules).
+    Posting a Send or Recv never blocks. On each rank, the operations of one channel complete strictly in posting
+    order, each only together with the peer's matching operation at the head of the peer's queue on the same
+    channel (NCCL's in-order streams, rendezvous; gloo's rules are looser). A compute pass waits until the message
+    it consumes was received and, as the runtime does (its output is freed), a backward until the send of its
+    forward's output completed.
     """
-    p = schedule.stages
-    table = _link_table(schedule)
-    pos = [0] * p
-    queues: dict[tuple[int, int], deque] = {}  # (rank, peer) -> posted, not yet completed
-    received: set[tuple] = set()  # (kind number, microbatch, stages) of what arrived
-    produced_so_far: set[tuple] = set()
-    progressed = True
-    while progressed:
+    if channel is None:
+        proven = []  # how the models checked so far group the messages into channels
+        for name, model in MODELS.items():
+            partition = _partition(programs, model)
+            if partition in proven:
+                continue  # the same channels as a model already replayed: the same replay
+            try:
+                check_lowering(schedule, programs, model)
+            except ScheduleError as error:
+                raise ScheduleError(f"{error} (under {name})") from None
+            proven.append(partition)
+        return
+    replay = _Replay(schedule, programs, channel)
+    replay.run()
+    replay.conclude()
+
+
+def _partition(programs: list[list[Action]], channel: ChannelModel) -> set:
+    """Which links (a message without its microbatch: channel models do not look at it) share a channel."""
+    links: dict = {}
+    for program in programs:
+        for item in program:
+            if type(item) is Send:
+                msg = item.msg
+                links.setdefault((msg.kind, msg.src_stage, msg.dst_stage, msg.src, msg.dst), msg)
+    shared: dict = {}
+    for link, msg in links.items():
+        shared.setdefault(channel(msg), set()).add(link)
+    return {frozenset(group) for group in shared.values()}
+
+
+class _Replay:
+    """One replay of `check_lowering`: where each rank stands, what each channel holds, what has arrived."""
+
+    def __init__(self, schedule: Schedule, programs: list[list[Action]], channel: ChannelModel):
+        self.schedule, self.programs, self.channel = schedule, programs, channel
+        self.table = _link_table(schedule)
+        self.pos = [0] * schedule.stages
+        self.queues: dict[tuple[int, object], deque] = {}  # (rank, channel) -> posted, not yet completed
+        self.matched: set[tuple] = set()  # (kind number, microbatch, stages) of what was delivered
+        self.produced: set[tuple] = set()
+
+    def run(self) -> None:
+        progressed = True
+        while progressed:
+            progressed = any([self._advance(rank) for rank in range(self.schedule.stages)])
+            progressed = self._match() or progressed
+
+    def _advance(self, rank: int) -> bool:
+        program, links, at = self.programs[rank], self.table[rank], self.pos[rank]
+        start = at
+        while at < len(program):
+            item = program[at]
+            kind = type(item)
+            if kind is Send or kind is Recv:
+                msg = item.msg
+                if kind is Send and _key(msg) not in self.produced:
+                    raise ScheduleError(f"rank {rank} posts the send of {msg.describe()} before computing it")
+                self.queues.setdefault((rank, self.channel(msg)), deque()).append(item)
+            else:
+                send, recv = links[item.chunk, item.op]
+                if recv is not None and (recv[5], item.mb, recv[1], recv[2]) not in self.matched:
+                    break
+                if self._output_send_pending(rank, item):
+                    break
+                if send is not None:
+                    self.produced.add((send[5], item.mb, send[1], send[2]))
+            at += 1
+        self.pos[rank] = at
+        return at > start
+
+    def _output_send_pending(self, rank: int, item: Pass) -> bool:
+        """A backward waits for the send of its forward's output (the runtime frees that output first)."""
+        if facts(item.op).frees_output_of is None:
+            return False
+        sent = produced(self.schedule, rank, Pass(facts(item.op).frees_output_of, item.mb, item.chunk))
+        return sent is not None and _key(sent) not in self.matched
+
+    def _match(self) -> bool:
         progressed = False
-        for rank in range(p):
-            program, links, at = programs[rank], table[rank], pos[rank]
-            while at < len(program):
-                item = program[at]
-                kind = type(item)
-                if kind is Send or kind is Recv:
-                    msg = item.msg
-                    if kind is Send:
-                        if (_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage) not in produced_so_far:
-                            raise ScheduleError(f"rank {rank} posts the send of {msg.describe()} before computing it")
-                        peer = msg.dst
-                    else:
-                        peer = msg.src
-                    queue = queues.get((rank, peer))
-                    if queue is None:
-                        queue = queues[rank, peer] = deque()
-                    queue.append(item)
-                else:
-                    send, recv = links[item.chunk, item.op]
-                    if recv is not None and (recv[5], item.mb, recv[1], recv[2]) not in received:
-                        break
-                    if send is not None:
-                        produced_so_far.add((send[5], item.mb, send[1], send[2]))
-                at += 1
-                progressed = True
-            pos[rank] = at
-        for (rank, peer), queue in queues.items():
-            other = queues.get((peer, rank))
-            while queue and other:
-                mine, theirs = queue[0], other[0]
+        for (rank, channel), queue in self.queues.items():
+            while queue:
+                mine = queue[0]
+                peer = mine.msg.dst if type(mine) is Send else mine.msg.src
+                other = self.queues.get((peer, channel))
+                if not other:
+                    break
+                theirs = other[0]
                 if type(mine) is type(theirs) or mine.msg != theirs.msg:
                     break
                 queue.popleft()
                 other.popleft()
-                msg = mine.msg
-                received.add((_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage))
+                self.matched.add(_key(mine.msg))
                 progressed = True
-    for rank in range(p):
-        if pos[rank] < len(programs[rank]):
-            item = programs[rank][pos[rank]]
-            need = consumed(schedule, rank, item)
-            raise ScheduleError(
-                f"communication deadlock: rank {rank} waits at {item.describe()} for {need.describe()}"
-                + _head_note(queues, need)
-            )
-    for (rank, peer), queue in queues.items():
-        if queue:
-            head = queue[0]
-            verb = "send" if isinstance(head, Send) else "receive"
-            raise ScheduleError(f"rank {rank} posts a {verb} of {head.msg.describe()} that rank {peer} never matches")
+        return progressed
+
+    def conclude(self) -> None:
+        for rank in range(self.schedule.stages):
+            if self.pos[rank] < len(self.programs[rank]):
+                item = self.programs[rank][self.pos[rank]]
+                need = consumed(self.schedule, rank, item)
+                if need is None or _key(need) in self.matched:  # it waits for the send of its forward's output
+                    need = produced(self.schedule, rank, Pass(facts(item.op).frees_output_of, item.mb, item.chunk))
+                    raise ScheduleError(f"communication deadlock: rank {rank} waits at {item.describe()} for its "
+                                        f"send of {need.describe()} to complete" + self._head_note(rank, need))
+                raise ScheduleError(f"communication deadlock: rank {rank} waits at {item.describe()} for "
+                                    f"{need.describe()}" + self._head_note(need.dst, need))
+        for (rank, _), queue in self.queues.items():
+            if queue:
+                head = queue[0]
+                verb = "send" if isinstance(head, Send) else "receive"
+                peer = head.msg.dst if verb == "send" else head.msg.src
+                raise ScheduleError(f"rank {rank} posts a {verb} of {head.msg.describe()} that rank {peer} never "
+                                    f"matches")
+
+    def _head_note(self, rank: int, need: Message) -> str:
+        """What holds the channel of `need` up on `rank` and on its peer."""
+        peer = need.src if rank == need.dst else need.dst
+        channel = self.channel(need)
+        mine = self.queues.get((rank, channel), [])
+        theirs = self.queues.get((peer, channel), [])
+        if mine and theirs:
+            return (f", but rank {rank}'s next operation on its channel with rank {peer} is the "
+                    f"{_verb(mine[0])} of {mine[0].msg.describe()} while rank {peer}'s is the {_verb(theirs[0])} of "
+                    f"{theirs[0].msg.describe()}")
+        if not theirs:
+            return f", which rank {peer} has not posted"
+        return ""
 
 
-def _head_note(queues: dict, need: Message) -> str:
-    mine = queues.get((need.dst, need.src), [])
-    theirs = queues.get((need.src, need.dst), [])
-    if mine and theirs:
-        return (
-            f", but rank {need.dst}'s next operation with rank {need.src} is for {mine[0].msg.describe()} "
-            f"while rank {need.src}'s is for {theirs[0].msg.describe()}"
-        )
-    if not theirs:
-        return f", which rank {need.src} has not sent"
-    return ""
+def _verb(item: Action) -> str:
+    return "send" if isinstance(item, Send) else "receive"
+
+
+def _key(msg: Message) -> tuple:
+    return (_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage)

@@ -63,6 +63,9 @@ class OpFacts:
     last: bool = False  # on its rank it comes after every other pass
     replay_point: bool = False  # a rollback re-runs what ran before it, so later receives go after it
     split: bool = False  # one half of a split backward (needs the runtime's deferred weight gradients)
+    # the pass runs only once the send of this op's output (same microbatch and chunk) completed: the runtime frees
+    # that output, so a backward waits for its forward's send
+    frees_output_of: "Op | None" = None
 
     @property
     def takes_time(self) -> bool:
@@ -100,6 +103,7 @@ TABLE: dict[Op, OpFacts] = {
     Op.B: OpFacts(
         "input grad", "B", needs=(Needs(Op.F), Needs(Op.B, +1)), completes=(Op.B,), time=("t_b",),
         memory=(("m_w", 1), ("m_f", -1)), sends=(Kind.GRAD, -1), split=True,  # keeps M_W for its W
+        frees_output_of=Op.F,
     ),
     Op.W: OpFacts(
         "weight grad", "W", needs=(Needs(Op.B),), completes=(Op.W,), time=("t_w",),
@@ -107,7 +111,7 @@ TABLE: dict[Op, OpFacts] = {
     ),
     Op.BW: OpFacts(
         "fused backward", "#", needs=(Needs(Op.F), Needs(Op.B, +1)), completes=(Op.B, Op.W),
-        time=("t_b", "t_w"), memory=(("m_f", -1),), sends=(Kind.GRAD, -1),
+        time=("t_b", "t_w"), memory=(("m_f", -1),), sends=(Kind.GRAD, -1), frees_output_of=Op.F,
     ),
     # The result of the optimizer step walks from the rank of the last virtual stage (p-1; rank 0 in a V)
     # to the others, one rank at a time, before each one's first backward; only its messages' T_comm is

@@ -38,7 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from ..runtime.iteration import Iteration, LoweredRun
+from ..runtime.links import PipelineLinks
+from ..runtime.pass_timer import ClockPassTimer
 from ..runtime.p2p import PipelineTransport
+from ..runtime.strict_p2p import StrictP2P
 from ..runtime.wgrad_store import WeightGradStore
 from ..schedules.costs import Costs
 from ..schedules.ops import Op, facts
@@ -215,8 +218,8 @@ class RehearsalPasses:
     def loss_scale_changed(self) -> None:
         pass
 
-    def synchronize(self) -> None:
-        pass
+    def pass_timer(self, clock):
+        return ClockPassTimer(clock)
 
     def token_count(self) -> int:
         return 0
@@ -302,8 +305,10 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
         delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
-        transport = transport_type(group, (numel,), torch.float32, torch.device("cpu"),
-                                   validation_numel=validation.size, **extra)
+        # the pair groups training posts on, each an in-order stream with rendezvous, as NCCL runs it
+        links, ops = PipelineLinks.make(group), StrictP2P(options.timeout_s)
+        transport = transport_type(links, (numel,), torch.float32, torch.device("cpu"),
+                                   validation_numel=validation.size, ops=ops, **extra)
         unit_s = options.unit_ms / 1e3
         reduction, ready = None, None
         if options.data_parallel is not None:
@@ -334,6 +339,8 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
                 _wait(options.optimizer_step * unit_s)
                 record.step(step)
         torch.save(record.entries, os.path.join(result_dir, f"rank{rank}.pt"))
+        ops.close()
+        links.close()
         dist.barrier()
     finally:
         dist.destroy_process_group()

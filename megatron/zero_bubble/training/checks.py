@@ -24,7 +24,8 @@ from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedule_mem_setup",
                       "zero_bubble_adaptive_memory_limit_percentile",
                       "zero_bubble_pipeline_timers_start_iter",
-                      "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule")
+                      "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule",
+                      "zero_bubble_watchdog_timeout", "zero_bubble_inject_fault")
 
 
 @dataclass(frozen=True)

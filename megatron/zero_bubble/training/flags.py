@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 
 from ..schedules.planners import SCHEDULES, pipeline_schedule_names, split_backward_schedules
+from ..runtime.faults import KINDS as FAULT_KINDS, parse_fault
+from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S
 from ..runtime.planning import DEVICE_MEMORY_SHARE
 from ..schedules.vbudget import MEM_SETUPS
 
@@ -60,6 +62,23 @@ def _max_pending_backward(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of microbatches or 'auto', got {text!r}") from None
+
+
+def _fault(text: str):
+    try:
+        return parse_fault(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (0 or more), got {text!r}")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -152,6 +171,17 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        help="With --enable-optimizer-post-validation: keep a copy of the parameters and optimizer "
                        "state at each speculative step so that a rollback restores them bit for bit (default: "
                        "invert the update in place, exact to a few ulps, no extra memory).")
+    group.add_argument("--zero-bubble-watchdog-timeout", type=_seconds, default=None, metavar="SECONDS",
+                       help=f"A rank whose oldest pipeline message has been in flight this long prints where the "
+                       f"pipeline stands (the message, its peer, the pass that needs it, the head of each link) and "
+                       f"ends the job; the other ranks print their own line too. Default "
+                       f"{DEFAULT_WATCHDOG_TIMEOUT_S:g}, well under NCCL's own timeout; 0: off.")
+    group.add_argument("--zero-bubble-inject-fault", type=_fault, action="append", default=None,
+                       metavar="KIND:RANK[:SECONDS]",
+                       help=f"Inject a fault on a global rank, to see the run stop cleanly: {', '.join(FAULT_KINDS)} "
+                       f"(the split check sees a difference on that rank only; that rank never posts its first "
+                       f"activation or gradient send; that rank sleeps SECONDS, default 0.2, before each pass). "
+                       f"May be given more than once. For tests.")
     group.add_argument(ON_CPU, action="store_true",
                        help="Train on the CPU with gloo: slow, for trying zero bubble and for tests. Without it, a "
                        "machine where torch sees no CUDA device stops at start-up (a GPU node with a broken driver "

@@ -28,6 +28,7 @@ class ZeroBubbleSession:
     log: Callable[[str], None] = print  # one line on rank 0 (re-planning)
     te_layer_types: tuple | None = None  # Transformer Engine classes to split (None: TE's own; tests: a stand-in's)
     split_check: bool = False  # fused against split on the real layers before the first training call (split_check.py)
+    messaging: object = None  # runtime.messaging.MessagingOptions: strict p2p (tests), watchdog timeout, faults
     pipeline: object = field(default=None, init=False)  # what get_forward_backward_func hands out; None: megatron's
     megatron: object = field(default=None, init=False)  # the adapter, once installed
     _installed: list = field(default_factory=list, init=False, repr=False)
@@ -57,16 +58,18 @@ class ZeroBubbleSession:
     def _build_pipeline(self):
         from ..runtime.split_check import SplitCheck
 
-        check = SplitCheck(self.log) if self.split_check else None
+        faults = getattr(self.messaging, "faults", ())
+        check = SplitCheck(self.log, faults=faults) if self.split_check else None
         if self.schedule_for is not None:
             from ..runtime.executor import PipelineExecutor
 
-            return PipelineExecutor(self.schedule_for, self.megatron, observer=self.observer, split_check=check)
+            return PipelineExecutor(self.schedule_for, self.megatron, observer=self.observer, split_check=check,
+                                    messaging=self.messaging)
         if self.plan_settings is not None:
             from ..runtime.replan import ReplanningPipeline
 
             return ReplanningPipeline(self.plan_settings, self.current_iteration, self.megatron, log=self.log,
-                                      split_check=check)
+                                      split_check=check, messaging=self.messaging)
         return None
 
     def on_optimizer_built(self, attach: Callable) -> None:
@@ -97,7 +100,7 @@ class ZeroBubbleSession:
     def close(self) -> None:
         """Everything installed, removed last-in first-out; the pipeline lets go of the layers and buffers."""
         if self.pipeline is not None:
-            self.pipeline.release()
+            self.pipeline.close()
         while self._installed:
             self._installed.pop().uninstall()
 

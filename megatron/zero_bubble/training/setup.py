@@ -65,6 +65,15 @@ def plan_settings(args, options: ZeroBubbleOptions):
     )
 
 
+def messaging_options(args):
+    """The watchdog's timeout and the injected faults, as the runtime takes them."""
+    from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S, MessagingOptions
+
+    timeout = args.zero_bubble_watchdog_timeout
+    return MessagingOptions(watchdog_timeout_s=DEFAULT_WATCHDOG_TIMEOUT_S if timeout is None else timeout,
+                            faults=tuple(args.zero_bubble_inject_fault or ()))
+
+
 def _log_on_rank0(line: str) -> None:
     import torch.distributed as dist
 
@@ -116,7 +125,7 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
     bucket_every_stage = split_backward and args.overlap_grad_reduce
     with ZeroBubbleSession(plan_settings=settings, current_iteration=_current_iteration, log=_log_on_rank0,
                            v_stages=v_stages, bucket_every_stage=bucket_every_stage,
-                           split_check=options.split_check) as session:
+                           split_check=options.split_check, messaging=messaging_options(args)) as session:
         if options.post_validation:
             session.on_optimizer_built(partial(_attach_post_validation, session, options.exact_rollback, settings))
         try:
