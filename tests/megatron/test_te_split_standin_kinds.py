@@ -1,4 +1,4 @@
-"""The Transformer Engine split (patches/te_wgrad.py) on the stand-in's other behaviours of TE 2.19 (tests/te_standin.py).
+"""The Transformer Engine split (patches/te_wgrad.py) on more of TE 2.19's behaviours, as tests/te_standin.py has them.
 
 GroupedLinear (its legacy and grouped-tensor paths: an unwritten gradient buffer handed to autograd in B, operands
 queued as plain objects holding tensors, bias gradients formed in B), a bias gradient formed in B that TE's
