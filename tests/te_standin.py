@@ -17,15 +17,16 @@ against these small modules, which keep the contract TE documents and implements
   Linear 2.16+; here every module, which is stricter);
 - a layer norm fused in front (the MLP's `layer_norm_*`) gets its gradients in B;
 - a bias gradient formed in B (`bias_grad_in_b`: TE's Linear under FP8, LayerNormMLP's fc1 with its bias-GELU
-  fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it as TE does (before
-  TE's fix for issue #3400) unless it finds `bias.grad` set;
+  fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it as TE 2.19 does (TE
+  issue #3400) unless it finds `bias.grad` set;
 - `GroupedLinear` (StandInGroupedLinear): without fusion B returns to autograd the buffer W will write into, not
   yet written (here NaN); `backward_dw` returns at once on an empty queue (`context.empty()`); TE 2.19's
   grouped-tensor path (`grouped_tensor=True`) queues its operands as plain objects holding tensors (TE's
   GroupedTensorStorage) and forms the bias gradients in B.
 
-The real-TE tests (tests/megatron/test_transformer_engine_split.py) run the same checks on TE's own modules
-wherever `import transformer_engine` works, and skip with the reason elsewhere.
+The real-TE tests (tests/megatron/test_transformer_engine_split.py) run the main checks (split against fused, W
+order, BW passes, readiness) on TE's own modules wherever CUDA and `import transformer_engine` work, and skip with
+the reason elsewhere; none of them has run yet.
 """
 from __future__ import annotations
 
@@ -254,11 +255,12 @@ class _GroupedFunction(torch.autograd.Function):
     """y_i = x_i W_i^T + b_i for the rows of GEMM i; backward as TE 2.19's GroupedLinear."""
 
     @staticmethod
-    def forward(ctx, x, m_splits, module, store, *params):
+    def forward(ctx, x, m_splits, module, store, is_first_microbatch, *params):
         n = module.num_gemms
         weights, biases = params[:n], params[n:]
         ctx.save_for_backward(x, *weights)
         ctx.m_splits, ctx.module, ctx.store, ctx.n = list(m_splits), module, store, n
+        ctx.accumulate = _accumulate_flag(module.fuse_wgrad_accumulation, is_first_microbatch)
         outs = [xi.matmul(w.t()) + b for xi, w, b in zip(torch.split(x, m_splits), weights, biases)]
         return torch.cat(outs)
 
@@ -275,6 +277,7 @@ class _GroupedFunction(torch.autograd.Function):
             packed = torch.full((n, *weights[0].shape), float("nan"), dtype=weights[0].dtype)
             targets = [packed[i] for i in range(n)]
         delayed = ctx.store is not None and ctx.store.delay_wgrad_compute()
+        accumulate = ctx.accumulate
         early_biases = [dy.sum(dim=0) for dy in dys] if grouped else None  # grouped path: bias gradients in B
 
         def gemm(inputs, grads, outputs):
@@ -282,7 +285,7 @@ class _GroupedFunction(torch.autograd.Function):
                 inputs, grads = inputs.pieces(), grads.pieces()
             for xi, dy, out in zip(inputs, grads, outputs):
                 dw = dy.t().matmul(xi)
-                out.add_(dw) if fused else out.copy_(dw)
+                out.add_(dw) if accumulate else out.copy_(dw)
             return None, ([None] * n if grouped else [dy.sum(dim=0) for dy in grads]), None
 
         if grouped:
@@ -296,12 +299,12 @@ class _GroupedFunction(torch.autograd.Function):
             _, bias_grads, _ = gemm(*operands)
             bias_grads = early_biases if grouped else bias_grads
         weight_grads = [_weight_grad_for_autograd(w, t, fused) for w, t in zip(weights, targets)]
-        return (dgrad, None, None, None, *weight_grads, *bias_grads)
+        return (dgrad, None, None, None, None, *weight_grads, *bias_grads)
 
 
 class StandInGroupedLinear(StandInTEModule):
-    """te.pytorch.GroupedLinear (per-GEMM weight{i} / bias{i}); forward(x, m_splits). main_grad fusion here always
-    accumulates (TE decides per microbatch; the GPU test covers that)."""
+    """te.pytorch.GroupedLinear (per-GEMM weight{i} / bias{i}); forward(x, m_splits, is_first_microbatch): with
+    main_grad fusion the first microbatch's W overwrites main_grad, as TE's does."""
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, grouped_tensor: bool = False,
                  **options):
@@ -311,10 +314,10 @@ class StandInGroupedLinear(StandInTEModule):
             setattr(self, f"weight{i}", torch.nn.Parameter(torch.empty(out_features, in_features)))
             setattr(self, f"bias{i}", torch.nn.Parameter(torch.empty(out_features)))
 
-    def forward(self, x, m_splits):
+    def forward(self, x, m_splits, is_first_microbatch=None):
         params = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         params += [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
-        return _GroupedFunction.apply(x, m_splits, self, self._forward_store(), *params)
+        return _GroupedFunction.apply(x, m_splits, self, self._forward_store(), is_first_microbatch, *params)
 
     def backward_dw(self) -> None:
         if not self.need_backward_dw():

@@ -42,13 +42,18 @@ def _with_main_grads(module: torch.nn.Module, ddp_flag: bool) -> torch.nn.Module
 
 
 class Grouped(torch.nn.Module):
+    """The experts as megatron calls them: is_first_microbatch on the first forward of the iteration (with main_grad
+    fusion TE's W then overwrites main_grad: W of another microbatch first would show)."""
+
     def __init__(self, grouped_tensor: bool, fuse: bool):
         super().__init__()
         self.experts = te_standin.StandInGroupedLinear(len(SPLITS), HIDDEN, OUT, grouped_tensor=grouped_tensor,
                                                        fuse_wgrad_accumulation=fuse)
+        self.first = True
 
     def forward(self, x):
-        return self.experts(x, SPLITS)
+        first, self.first = self.first, False
+        return self.experts(x, SPLITS, is_first_microbatch=first)
 
 
 def _data(out: int, seed: int = 1):
@@ -169,7 +174,7 @@ def test_a_bias_gradient_formed_in_b_is_handed_back_to_backward_dw_and_accumulat
 
 
 def test_the_stand_in_fails_as_te_does_when_a_bias_gradient_formed_in_b_was_cleared():
-    """TE's backward_dw (before the fix for issue #3400) calls .to() on the GEMM's missing bias gradient when it
+    """TE 2.19's backward_dw (TE issue #3400) calls .to() on the GEMM's missing bias gradient when it
     finds bias.grad None: the stand-in does the same, so the test above would fail if the split did not hand the
     B gradient back."""
     layer = _seeded(te_standin.StandInLinear(HIDDEN, HIDDEN, bias_grad_in_b=True, delay_wgrad_compute=True))
