@@ -39,9 +39,10 @@ megatron's wrappers do nothing in theirs unless `--delay-wgrad-compute`; `.grad`
 bias rule above.
 
 Versions (`version_refusal`): 2.3 to 2.19, whose sources were read (the deferral code of 2.19 and of the 2.20
-development tree line by line, the releases before through every change to it); the 2.20 release was not
-available to read. Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad`
-only where it is None; the split clears `.grad` before it runs, but keeps the floor it was written with.
+development tree line by line; the releases before through how that code changed from one to the next: every
+`backward_dw` and the code around each use of `wgrad_store`); the 2.20 release was not available to read.
+Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad` only where it is
+None; the split clears `.grad` before it runs, but keeps the floor it was written with.
 Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split
 (their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
 modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 finalizes, i.e.
