@@ -3,7 +3,7 @@
 Transformer Engine (TE) needs CUDA, so the code that drives its weight-gradient deferral (patches/te_wgrad.py:
 which modules are switched, the order of the W work, readiness for megatron DDP, replays) is tested on CPU
 against these small modules, which keep the contract TE documents and implements (read from its sources,
-2.3 to 2.18; the numbers are plain torch, the behaviour around them TE's):
+2.3 to 2.19; the numbers are plain torch, the behaviour around them TE's):
 
 - a module holds `wgrad_store`, a per-module FIFO; with `delay_wgrad_compute()` True in backward the module
   computes the input gradient, `put`s ([tensors], gemm) and returns no weight gradient; `backward_dw()` pops one
@@ -13,11 +13,20 @@ against these small modules, which keep the contract TE documents and implements
 - `fuse_wgrad_accumulation`: the GEMM accumulates into `weight.main_grad` (overwrites it for the first
   microbatch when the caller says so), and backward returns a placeholder gradient (here NaN, so that adding it
   anywhere shows) with `weight.grad_added_to_main_grad = True` when the weight has that attribute (megatron DDP);
-- a forward hands the queue to its backward only if `delay_wgrad_compute()` answered True in the forward (2.10+);
-- a layer norm fused in front (the MLP's `layer_norm_*`) gets its gradients in B.
+- a forward hands the queue to its backward only if `delay_wgrad_compute()` answered True in the forward (TE's
+  Linear 2.16+; here every module, which is stricter);
+- a layer norm fused in front (the MLP's `layer_norm_*`) gets its gradients in B;
+- a bias gradient formed in B (`bias_grad_in_b`: TE's Linear under FP8, LayerNormMLP's fc1 with its bias-GELU
+  fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it as TE 2.19 does (TE
+  issue #3400) unless it finds `bias.grad` set;
+- `GroupedLinear` (StandInGroupedLinear): without fusion B returns to autograd the buffer W will write into, not
+  yet written (here NaN); `backward_dw` returns at once on an empty queue (`context.empty()`); TE 2.19's
+  grouped-tensor path (`grouped_tensor=True`) queues its operands as plain objects holding tensors (TE's
+  GroupedTensorStorage) and forms the bias gradients in B.
 
-The real-TE tests (tests/megatron/test_transformer_engine_split.py) run the same checks on TE's own modules
-wherever `import transformer_engine` works, and skip with the reason elsewhere.
+The real-TE tests (tests/megatron/test_transformer_engine_split.py) run the main checks (split against fused, W
+order, BW passes, readiness) on TE's own modules wherever CUDA and `import transformer_engine` work, and skip with
+the reason elsewhere; none of them has run yet.
 """
 from __future__ import annotations
 
@@ -133,6 +142,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, weight, inp, bias, module, store, is_first_microbatch):
         ctx.save_for_backward(inp, weight)
         ctx.weight, ctx.store, ctx.use_bias = weight, store, bias is not None
+        ctx.bias_in_b = bias is not None and getattr(module, "bias_grad_in_b", False)
         ctx.fused = module.fuse_wgrad_accumulation
         ctx.accumulate = _accumulate_flag(ctx.fused, is_first_microbatch)
         out = inp.matmul(weight.t())
@@ -143,12 +153,14 @@ class _LinearFunction(torch.autograd.Function):
         inp, weight = ctx.saved_tensors
         dgrad = grad_out.matmul(weight)
         x2, dy2 = inp.reshape(-1, inp.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-        gemm = _wgrad_gemm(ctx.weight, ctx.use_bias, ctx.fused, ctx.accumulate)
+        early_bias = dy2.sum(dim=0) if ctx.bias_in_b else None  # TE's FP8 path: the bias gradient comes in B
+        gemm = _wgrad_gemm(ctx.weight, ctx.use_bias and not ctx.bias_in_b, ctx.fused, ctx.accumulate)
         if ctx.store is not None and ctx.store.delay_wgrad_compute():
             ctx.store.put([x2, dy2], gemm)
             wgrad = bgrad = None
         else:
             wgrad, bgrad = gemm(x2, dy2)
+        bgrad = early_bias if ctx.bias_in_b else bgrad
         return _weight_grad_for_autograd(ctx.weight, wgrad, ctx.fused), dgrad, bgrad, None, None, None
 
 
@@ -157,8 +169,10 @@ class StandInLinear(StandInTEModule):
 
     weight_names, bias_names = ("weight",), ("bias",)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, **options):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, bias_grad_in_b: bool = False,
+                 **options):
         super().__init__(**options)
+        self.bias_grad_in_b = bias_grad_in_b
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features))
         self.bias = torch.nn.Parameter(torch.empty(out_features)) if bias else None
 
@@ -175,6 +189,7 @@ class _MLPFunction(torch.autograd.Function):
         a = F.gelu(h)
         ctx.save_for_backward(x, h, a, w1, w2)
         ctx.weights, ctx.store, ctx.fused = (w1, w2), store, module.fuse_wgrad_accumulation
+        ctx.fc1_bias_in_b = module.bias_grad_in_b
         return a.matmul(w2.t()) + b2
 
     @staticmethod
@@ -188,7 +203,7 @@ class _MLPFunction(torch.autograd.Function):
             dh, = torch.autograd.grad(F.gelu(h_), h_, da)
         dx = dh.matmul(w1)
         fc2 = _wgrad_gemm(p2, True, ctx.fused, ctx.fused)
-        fc1 = _wgrad_gemm(p1, True, ctx.fused, ctx.fused)
+        fc1 = _wgrad_gemm(p1, not ctx.fc1_bias_in_b, ctx.fused, ctx.fused)
         operands = ((a.reshape(-1, a.shape[-1]), dy2), (x.reshape(-1, x.shape[-1]), dh.reshape(-1, dh.shape[-1])))
         if ctx.store is not None and ctx.store.delay_wgrad_compute():
             ctx.store.put(list(operands[0]), fc2)
@@ -197,6 +212,8 @@ class _MLPFunction(torch.autograd.Function):
         else:
             w2g, b2g = fc2(*operands[0])
             w1g, b1g = fc1(*operands[1])
+        if ctx.fc1_bias_in_b:  # TE's bias-GELU fusion: fc1's bias gradient in B, whatever the deferral
+            b1g = operands[1][1].sum(dim=0)
         return (_weight_grad_for_autograd(p1, w1g, ctx.fused), b1g, _weight_grad_for_autograd(p2, w2g, ctx.fused), b2g,
                 dx, None, None)
 
@@ -206,8 +223,9 @@ class StandInLayerNormMLP(StandInTEModule):
 
     weight_names, bias_names = ("fc2_weight", "fc1_weight"), ("fc2_bias", "fc1_bias")  # the order backward_dw pops
 
-    def __init__(self, hidden: int, ffn: int, **options):
+    def __init__(self, hidden: int, ffn: int, bias_grad_in_b: bool = False, **options):
         super().__init__(**options)
+        self.bias_grad_in_b = bias_grad_in_b
         self.layer_norm_weight = torch.nn.Parameter(torch.empty(hidden))
         self.layer_norm_bias = torch.nn.Parameter(torch.empty(hidden))
         self.fc1_weight = torch.nn.Parameter(torch.empty(ffn, hidden))
@@ -221,7 +239,124 @@ class StandInLayerNormMLP(StandInTEModule):
                                   self._forward_store())
 
 
-KINDS = (StandInLinear, StandInLayerNormMLP)  # what the adapter switches (as TE's Linear, LayerNormMLP, ...)
+class StandInGroupedStorage:
+    """TE's GroupedTensorStorage as GroupedLinear's grouped-tensor path queues it: a plain object (no tensor)
+    holding the packed rows of every GEMM and their split sizes."""
+
+    def __init__(self, data: torch.Tensor, split_sizes: list):
+        self.data, self.split_sizes = data, list(split_sizes)
+        self.quantizer = None
+
+    def pieces(self) -> list:
+        return list(torch.split(self.data, self.split_sizes))
+
+
+class _GroupedFunction(torch.autograd.Function):
+    """y_i = x_i W_i^T + b_i for the rows of GEMM i; backward as TE 2.19's GroupedLinear."""
+
+    @staticmethod
+    def forward(ctx, x, m_splits, module, store, is_first_microbatch, *params):
+        n = module.num_gemms
+        weights, biases = params[:n], params[n:]
+        ctx.save_for_backward(x, *weights)
+        ctx.m_splits, ctx.module, ctx.store, ctx.n = list(m_splits), module, store, n
+        ctx.accumulate = _accumulate_flag(module.fuse_wgrad_accumulation, is_first_microbatch)
+        outs = [xi.matmul(w.t()) + b for xi, w, b in zip(torch.split(x, m_splits), weights, biases)]
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *weights = ctx.saved_tensors
+        module, n = ctx.module, ctx.n
+        xs, dys = torch.split(x, ctx.m_splits), torch.split(grad_out, ctx.m_splits)
+        dgrad = torch.cat([dy.matmul(w) for dy, w in zip(dys, weights)])
+        fused, grouped = module.fuse_wgrad_accumulation, module.grouped_tensor
+        if fused:
+            targets = [w.main_grad for w in weights]
+        else:  # the buffer W writes into; NaN until it does (TE's is torch.empty)
+            packed = torch.full((n, *weights[0].shape), float("nan"), dtype=weights[0].dtype)
+            targets = [packed[i] for i in range(n)]
+        delayed = ctx.store is not None and ctx.store.delay_wgrad_compute()
+        accumulate = ctx.accumulate
+        early_biases = [dy.sum(dim=0) for dy in dys] if grouped else None  # grouped path: bias gradients in B
+
+        def gemm(inputs, grads, outputs):
+            if grouped:
+                inputs, grads = inputs.pieces(), grads.pieces()
+            for xi, dy, out in zip(inputs, grads, outputs):
+                dw = dy.t().matmul(xi)
+                out.add_(dw) if accumulate else out.copy_(dw)
+            return None, ([None] * n if grouped else [dy.sum(dim=0) for dy in grads]), None
+
+        if grouped:
+            operands = [StandInGroupedStorage(x, ctx.m_splits), StandInGroupedStorage(grad_out, ctx.m_splits), targets]
+        else:
+            operands = [list(xs), list(dys), targets]
+        if delayed:
+            ctx.store.put(operands, gemm)
+            bias_grads = early_biases if grouped else [None] * n
+        else:
+            _, bias_grads, _ = gemm(*operands)
+            bias_grads = early_biases if grouped else bias_grads
+        weight_grads = [_weight_grad_for_autograd(w, t, fused) for w, t in zip(weights, targets)]
+        return (dgrad, None, None, None, None, *weight_grads, *bias_grads)
+
+
+class StandInGroupedLinear(StandInTEModule):
+    """te.pytorch.GroupedLinear (per-GEMM weight{i} / bias{i}); forward(x, m_splits, is_first_microbatch): with
+    main_grad fusion the first microbatch's W overwrites main_grad, as TE's does."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, grouped_tensor: bool = False,
+                 **options):
+        super().__init__(**options)
+        self.num_gemms, self.grouped_tensor = num_gemms, grouped_tensor
+        for i in range(num_gemms):
+            setattr(self, f"weight{i}", torch.nn.Parameter(torch.empty(out_features, in_features)))
+            setattr(self, f"bias{i}", torch.nn.Parameter(torch.empty(out_features)))
+
+    def forward(self, x, m_splits, is_first_microbatch=None):
+        params = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        params += [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return _GroupedFunction.apply(x, m_splits, self, self._forward_store(), is_first_microbatch, *params)
+
+    def backward_dw(self) -> None:
+        if not self.need_backward_dw():
+            return
+        if self.wgrad_store.context is None or self.wgrad_store.context.empty():
+            return
+        (_, grad_biases, _), tensor_list = self.wgrad_store.pop()
+        for i, wgrad in enumerate(tensor_list[2]):
+            weight = getattr(self, f"weight{i}")
+            if not self.fuse_wgrad_accumulation:
+                weight.grad = wgrad.to(weight.dtype)
+        present = [g is not None for g in grad_biases]
+        if any(present) and self.grouped_tensor:
+            raise RuntimeError("GroupedLinear(use_grouped_tensor=True) produced bias gradients in delayed wgrad")
+        for i, grad in enumerate(grad_biases):
+            bias = getattr(self, f"bias{i}")
+            if present[i] and bias.grad is None:
+                bias.grad = grad.to(bias.dtype)
+        for hook in self.wgrad_accumulation_and_reduce_hooks:
+            hook()
+
+
+class StandInFusedMLP(torch.nn.Module):
+    """megatron's TEFusedMLP: holds TE modules (linear_fc1, linear_fc2) but runs their parameters through TE's
+    operation-based modules (here plain torch ops), kept out of the module tree in `_fused_impl`; the TE modules'
+    own forward never runs."""
+
+    def __init__(self, hidden: int, ffn: int, **options):
+        super().__init__()
+        self.linear_fc1 = StandInLinear(hidden, ffn, **options)
+        self.linear_fc2 = StandInLinear(ffn, hidden, **options)
+        self._fused_impl = None
+
+    def forward(self, x):
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        return F.linear(F.gelu(F.linear(x, fc1.weight, fc1.bias)), fc2.weight, fc2.bias)
+
+
+KINDS = (StandInLinear, StandInLayerNormMLP, StandInGroupedLinear)  # what the adapter switches (as TE's ...)
 
 
 # -- megatron's wrappers around TE's Linear (TEColumnParallelLinear / TERowParallelLinear), TP = 1 --------------

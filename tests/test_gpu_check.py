@@ -29,6 +29,15 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_2():
     assert done.stderr.startswith("gpu_check: no CUDA device here")
 
 
+@pytest.mark.parametrize("version, reason", [
+    ("not installed", "transformer-engine is not installed"), ("2.19.0", None), ("2.8.0+40c69e75", None),
+    ("2.20.0", "2.20.0 is newer than the releases this split was checked against"),
+])
+def test_transformer_engine_layers_are_checked_only_with_a_version_the_split_accepts(version, reason):
+    found = gpu_check.transformer_engine_refusal(version)
+    assert found == reason if reason is None else reason in found
+
+
 def test_losses_are_read_as_megatron_prints_them():
     out = ("iteration        1/      20 | consumed samples: 16 | elapsed time per iteration (ms): 80.1 | lm loss: "
            "4.876812E+00 | loss scale: 1.0 |\n"

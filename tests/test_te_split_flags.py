@@ -46,29 +46,54 @@ def _te_args(**overrides):
 
 @pytest.mark.parametrize("version, fusion, needed", [
     (None, True, "Transformer Engine is not installed"),
-    ("2.2.0", True, "needs transformer-engine >= 2.3"),
-    ("2.7.1", False, "without --gradient-accumulation-fusion needs transformer-engine >= 2.8"),
+    ("2.2.0", True, "needs transformer-engine 2.3 to 2.19"),
+    ("2.7.1", False, "without --gradient-accumulation-fusion needs transformer-engine 2.8 to 2.19"),
+    ("2.20.0", True, "2.20.0 is newer than the releases this split was checked against"),
+    ("2.20.0.dev0+d0067d0", True, "is newer than the releases"),
+    ("3.0.0", False, "is newer than the releases"),
+    ("not-a-version", True, "cannot read the transformer-engine version"),
 ])
-def test_a_transformer_engine_that_cannot_defer_is_refused_naming_the_version_needed(version, fusion, needed,
-                                                                                    monkeypatch):
+def test_a_transformer_engine_outside_the_versions_read_is_refused_naming_them(version, fusion, needed, monkeypatch):
     monkeypatch.setattr(te_wgrad, "installed_version", lambda: version)
     with pytest.raises(arguments.StartupRefusal) as refused:
         check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--pipeline-schedule zb-h1")
     message = str(refused.value)
     assert message.startswith("--pipeline-schedule zb-h1 with --transformer-impl transformer_engine: ")
-    assert needed in message and message.endswith("or use --transformer-impl local")
+    assert needed in message and "\n" not in message
+    assert message.endswith("; install transformer-engine 2.3 to 2.19 or use --transformer-impl local")
 
 
-@pytest.mark.parametrize("version, fusion", [("2.3.0", True), ("2.8.0", False), ("2.18.0", True)])
-def test_transformer_engine_versions_that_defer_are_accepted(version, fusion, monkeypatch):
+@pytest.mark.parametrize("version, fusion", [("2.3.0", True), ("2.8.0", False), ("2.14.1", False), ("2.18.0", True),
+                                             ("2.19.0", False), ("2.19.0+cu13", True), ("2.7.0.post0", True)])
+def test_transformer_engine_versions_that_were_read_are_accepted(version, fusion, monkeypatch):
     monkeypatch.setattr(te_wgrad, "installed_version", lambda: version)
     check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--enable-zero-bubble")
     check_transformer_engine_split(_te_args(transformer_impl="local"), "--enable-zero-bubble")
 
 
-@pytest.mark.parametrize("overrides, flag", [({"tp_comm_overlap": True}, "--tp-comm-overlap"),
-                                             ({"cuda_graph_impl": "transformer_engine"}, "--cuda-graph-impl")])
+@pytest.mark.parametrize("overrides, flag", [
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"cuda_graph_impl": "transformer_engine"}, "--cuda-graph-impl"),
+    ({"overlap_dispatch_backward_with_experts_wgrad": True}, "--overlap-dispatch-backward-with-experts-wgrad"),
+])
 def test_te_features_that_cannot_defer_are_refused_with_te_layers_split(overrides, flag, monkeypatch):
-    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.8.0")
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.19.0")
     with pytest.raises(arguments.StartupRefusal, match=f"^{flag}.*drop {flag}$"):
         check_transformer_engine_split(_te_args(**overrides), "--enable-zero-bubble")
+
+
+@pytest.mark.parametrize("overrides, given", [
+    ({"fp8": "e4m3"}, "--fp8-format e4m3"), ({"fp8": "hybrid"}, "--fp8-format hybrid"),
+    ({"fp4": "e2m1"}, "--fp4-format e2m1"), ({"fp8_param_gather": True}, "--fp8-param-gather"),
+    ({"fp4_param_gather": True}, "--fp4-param-gather"),
+])
+def test_fp8_and_fp4_are_refused_with_te_layers_split_in_one_line(overrides, given, monkeypatch):
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.19.0")
+    with pytest.raises(arguments.StartupRefusal) as refused:
+        check_transformer_engine_split(_te_args(**overrides), "--pipeline-schedule zb-h1")
+    message = str(refused.value)
+    option = given.split()[0]
+    assert message.startswith(f"{given} does not work with --pipeline-schedule zb-h1 on Transformer Engine layers")
+    assert "never run on a GPU" in message and f"drop {option}" in message and "\n" not in message
+    check_transformer_engine_split(_te_args(**overrides, transformer_impl="local"), "--pipeline-schedule zb-h1")
+

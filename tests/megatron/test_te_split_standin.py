@@ -267,8 +267,8 @@ def test_a_deferral_outside_a_b_pass_is_refused():
 
 
 @pytest.mark.parametrize("version, fused, needed", [
-    (None, True, "not installed"), ("2.2.1", True, ">= 2.3"), ("2.3.0", True, None), ("2.7.0", False, ">= 2.8"),
-    ("2.8.0", False, None), ("2.14.0+cu13", False, None),
+    (None, True, "not installed"), ("2.2.1", True, "2.3 to 2.19"), ("2.3.0", True, None), ("2.7.0", False, "2.8 to 2.19"),
+    ("2.8.0", False, None), ("2.14.0+cu13", False, None), ("2.19.0", False, None), ("2.20.0", True, "newer"),
 ])
 def test_te_versions_that_cannot_defer_are_refused_naming_the_version_needed(version, fused, needed):
     reason = te_wgrad.version_refusal(version, fused)

@@ -181,8 +181,7 @@ class MegatronAdapter:
         from . import te_wgrad
 
         kinds = self._te_layer_types if self._te_layer_types is not None else te_wgrad.layer_types()
-        return [layer for layer in module.modules() if kinds and isinstance(layer, kinds)
-                and type(layer).__name__ not in te_wgrad.KEEP_IN_B]
+        return [layer for _, layer, _, _ in te_wgrad.splittable_layers(module, kinds)] if kinds else []
 
     # -- the optimizer step, kept stage-local (post-validation) ------------------------------------------
     @staticmethod

@@ -1,39 +1,54 @@
 """B/W split of Transformer Engine's modules through their own deferral (`delay_wgrad_compute`, `backward_dw()`).
 
-What Transformer Engine (TE) offers, read from its sources (2.3 to 2.18): `Linear`, `LayerNormLinear`,
-`LayerNormMLP` and `GroupedLinear` keep a per-module FIFO, `module.wgrad_store` (TE's `WeightGradStore`). When
-its `delay_wgrad_compute()` answers True in backward, the module computes the input gradient, `put`s what the
-weight-gradient GEMM needs (the tensors and the GEMM as a function) and returns no weight gradient (or, when it
-accumulates into `main_grad` itself, `fuse_wgrad_accumulation`, a placeholder and `grad_added_to_main_grad`);
-`module.backward_dw()` pops one entry (LayerNormMLP two: fc2 then fc1), runs the GEMM (into `main_grad` when
-fused, with the accumulate flag B decided) and assigns `weight.grad` (not fused) and `bias.grad` (where it is
-still None); TE >= 2.7 then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks`. Popping an
-empty queue raises "Pop empty queue". TE >= 2.10 adds `need_backward_dw()`; from 2.10 on the forward hands the
-queue to backward only if `delay_wgrad_compute()` answered True in the forward.
+TE's documented contract: a module built with `delay_wgrad_compute=True` computes only the input gradient in
+backward and the caller runs `module.backward_dw()` later for the weight gradient. How TE's sources implement it
+(`Linear`, `LayerNormLinear`, `LayerNormMLP`, `GroupedLinear`; 2.3 to 2.19, see `version_refusal`): each
+module keeps a FIFO, `module.wgrad_store` (TE's `WeightGradStore`); when its `delay_wgrad_compute()` answers
+True in backward, the module `put`s what the weight-gradient GEMM needs (the operands and the GEMM as a
+function) and returns to autograd no weight gradient, TE's placeholder (`fuse_wgrad_accumulation` with megatron
+DDP: `grad_added_to_main_grad` set), or (`GroupedLinear` without fusion) the buffer W will write into, not yet
+written. `backward_dw()` pops one entry (`LayerNormMLP` two: fc2 then fc1), runs the GEMM (into `main_grad`
+when fused, with the accumulate flag B decided), assigns `weight.grad` (not fused; 2.8+ always, before only
+where None) and `bias.grad` where it is still None (a bias gradient B formed, e.g. with FP8, stays; with none
+there and none from the GEMM TE fails, TE issue #3400), then runs the hooks given to
+`register_wgrad_accumulation_and_reduce_hooks` (2.7+). Popping an empty queue raises "Pop empty queue";
+`GroupedLinear.backward_dw` returns early on `wgrad_store.context.empty()`. `Linear` (2.16+) hands the queue to
+its backward only if `delay_wgrad_compute()` answered True in the forward; the others read it in backward.
 
 How the runtime uses it (`split_modules`, one call per model chunk): each TE module's `wgrad_store` is replaced
 by a `ModuleWgradQueue` (restored by the returned PatchSet), which keeps TE's contract and answers
-`delay_wgrad_compute()` per pass: True in a forward (so that 2.10+ keeps it), True in backward only while the
-chunk's WeightGradStore runs a B pass, and while our W runs `backward_dw()`; False otherwise, so a BW pass (or
-megatron's own schedule on the same layers) is TE's ordinary fused backward. Every entry TE queues during a B
-pass becomes one work item in the chunk's WeightGradStore (runtime/wgrad_store.py), filed under the microbatch
-like the local layers' work: running it calls the TE class's own `backward_dw()` (megatron's wrappers gate theirs
-on `config.delay_wgrad_compute`, which stays off) until that entry is popped, so each module's entries run in
+`delay_wgrad_compute()` per pass: True in a forward, True in backward only while the chunk's WeightGradStore
+runs a B pass, and while our W runs `backward_dw()`; False otherwise, so a BW pass (or megatron's own schedule
+on the same layers) is TE's ordinary fused backward. Every entry TE queues during a B pass becomes one work item
+in the chunk's WeightGradStore (runtime/wgrad_store.py), filed under the microbatch like the local layers' work:
+running it calls the TE class's own `backward_dw()` until that entry is popped, so each module's entries run in
 microbatch order. Then the gradients TE assigned are accumulated where megatron's fused backward puts them: with
 megatron DDP as DDP's hook does (into `main_grad`, unless TE accumulated there already), otherwise as autograd
-does (added to `.grad`). Readiness for `--overlap-grad-reduce` goes the local layers' way: the store reports each
-parameter after its last microbatch's work (megatron's `register_grad_ready`); during a B pass megatron DDP's own
-hook for these parameters is kept quiet (it would find no gradient, or TE's placeholder, and count it ready; under
---overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` (TE's placeholders, a bias
-gradient formed in B) is taken out when the pass ends and handed back to that entry's `backward_dw`, as TE expects.
+does. Readiness for `--overlap-grad-reduce` goes the local layers' way: the store reports each parameter after
+its last microbatch's work (megatron's `register_grad_ready`); during a B pass megatron DDP's own hook for these
+parameters is kept quiet (it would find no gradient, or TE's placeholder, and count it ready; under
+--overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` is taken out when the pass
+ends; a bias gradient formed in B is handed back to that entry's `backward_dw` (TE expects it there), a weight's
+(a placeholder, or GroupedLinear's unwritten buffer) is dropped.
 
-Version floors (`version_refusal`): 2.3 (the deferral exists); 2.8 without gradient-accumulation fusion (before
-2.8 `backward_dw` assigns `weight.grad` only where it is None, and `GroupedLinear` hands autograd its not yet
-computed gradient buffer in B, so what B left would stand in for W's result). Megatron asks 2.8 for
-`--overlap-grad-reduce` with its own deferral because its DDP hooks run from TE's hooks; ours do not.
-Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split (their
-W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B) and TE's
-operation-based modules (`te.pytorch.ops`).
+The TE internals used beyond the documented option, and why: `module.wgrad_store` is replaced because the option
+is fixed when megatron builds the module (megatron's own `--delay-wgrad-compute` needs its combined-1F1B
+schedule), while zero bubble defers in B passes only, and because TE's store gives no notice of a `put`, which
+must become W work of the microbatch as it is queued; the class's unbound `backward_dw` is called because
+megatron's wrappers do nothing in theirs unless `--delay-wgrad-compute`; `.grad` is moved around B for the
+bias rule above.
+
+Versions (`version_refusal`): 2.3 to 2.19, whose sources were read (the deferral code of 2.19 and of the 2.20
+development tree line by line; the releases before through how that code changed from one to the next: every
+`backward_dw` and the code around each use of `wgrad_store`); the 2.20 release was not available to read.
+Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad` only where it is
+None; the split clears `.grad` before it runs, but keeps the floor it was written with.
+Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split
+(their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
+modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 finalizes, i.e.
+reduce-scatters, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules
+whose parameters megatron runs through TE's operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and
+`TEGroupedMLP` under `--use-transformer-engine-op-fuser`), whose own forward never runs.
 """
 from __future__ import annotations
 
@@ -44,10 +59,13 @@ from contextlib import contextmanager
 
 import torch
 
+from ..runtime.tensor_bytes import held_bytes, storages
 from ._patching import PatchError, PatchSet
 
 MIN_VERSION = "2.3"  # delay_wgrad_compute, backward_dw
 MIN_VERSION_UNFUSED = "2.8"  # without main_grad fusion: backward_dw overwrites weight.grad
+MAX_VERSION = "2.19"  # the newest release whose sources were read (the 2.20 release was not available to read)
+VERSIONS_READ = f"transformer-engine {MIN_VERSION} to {MAX_VERSION}"
 SPLIT_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")  # in transformer_engine.pytorch
 KEEP_IN_B = ("TELMHeadColumnParallelLinear",)  # megatron pins its deferral off (its backward_dw does nothing)
 _DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13",
@@ -65,27 +83,39 @@ def installed_version() -> str | None:
     return None
 
 
-def _at_least(version: str, floor: str) -> bool:
+def _minor(version: str) -> tuple | None:
+    """(major, minor) of a version string (dev, post and local builds of a release count as it), None if unreadable."""
     from packaging.version import InvalidVersion, Version
 
     try:
-        return Version(version).release[:2] >= Version(floor).release[:2]
+        return Version(version).release[:2]
     except InvalidVersion:
-        return False
+        return None
+
+
+def _as_minor(version: str) -> tuple:
+    return tuple(int(part) for part in version.split("."))
 
 
 def version_refusal(version: str | None, fused_accumulation: bool) -> str | None:
     """Why this TE version cannot have its layers split into B and W (None: it can); `fused_accumulation`:
-    megatron's --gradient-accumulation-fusion (TE accumulates into main_grad itself)."""
+    megatron's --gradient-accumulation-fusion (TE accumulates into main_grad itself). Checked by major.minor:
+    patch, post and local builds of a release whose sources were read are accepted."""
     if version is None:
         return "Transformer Engine is not installed"
-    if not _at_least(version, MIN_VERSION):
-        return (f"splitting Transformer Engine's layers into B and W needs transformer-engine >= {MIN_VERSION} "
-                f"(delay_wgrad_compute and backward_dw); {version} is installed")
-    if not fused_accumulation and not _at_least(version, MIN_VERSION_UNFUSED):
+    minor = _minor(version)
+    if minor is None:
+        return f"cannot read the transformer-engine version {version!r} (this split supports {VERSIONS_READ})"
+    if minor > _as_minor(MAX_VERSION):
+        return (f"transformer-engine {version} is newer than the releases this split was checked against "
+                f"({VERSIONS_READ}): its weight-gradient deferral has not been read")
+    if minor < _as_minor(MIN_VERSION):
+        return (f"splitting Transformer Engine's layers into B and W needs {VERSIONS_READ} (delay_wgrad_compute "
+                f"and backward_dw came in {MIN_VERSION}); {version} is installed")
+    if not fused_accumulation and minor < _as_minor(MIN_VERSION_UNFUSED):
         return (f"splitting Transformer Engine's layers into B and W without --gradient-accumulation-fusion needs "
-                f"transformer-engine >= {MIN_VERSION_UNFUSED} (before it, backward_dw keeps a weight gradient B left "
-                f"in .grad); {version} is installed")
+                f"transformer-engine {MIN_VERSION_UNFUSED} to {MAX_VERSION} (before {MIN_VERSION_UNFUSED}, "
+                f"backward_dw assigns weight.grad only where it is None); {version} is installed")
     return None
 
 
@@ -149,9 +179,10 @@ class ModuleWgradQueue:
                                f"WeightGradStore {self.store.name!r}")
         self._entries.append((tensor_list, func))
         self.puts += 1
-        # what the entry keeps alive (M_W): not the gradient buffers it accumulates into (GroupedLinear's fused W)
-        own = {t.data_ptr() for p in self.held for t in (p, getattr(p, "main_grad", None)) if t is not None}
-        self.store.defer(TEModuleWeightGrad(self, self.puts - 1, _nbytes(tensor_list, own)))
+        # what the entry keeps alive (M_W), by storage (TE's grouped and quantized operands are no plain tensors):
+        # not the parameters or the gradient buffers it accumulates into (GroupedLinear's fused W)
+        own = storages([(p, getattr(p, "main_grad", None)) for p in self.held])
+        self.store.defer(TEModuleWeightGrad(self, self.puts - 1, held_bytes(tensor_list, own)))
 
     def pop(self):
         if not self._entries:
@@ -232,31 +263,17 @@ class TEModuleWeightGrad:
         self.queue.run_through(self.entry)
 
 
-def _nbytes(value, exclude: set) -> int:
-    if torch.is_tensor(value):
-        return 0 if value.data_ptr() in exclude else value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(item, exclude) for item in value)
-    return 0
-
-
 # -- a chunk ---------------------------------------------------------------------------------------------
 def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: bool = True) -> tuple[list, PatchSet]:
-    """Switch every TE module of `module` (instances of `kinds`) to a ModuleWgradQueue feeding `store`; returns
-    (the parameters whose gradients now come in W, the PatchSet whose restore() switches them back).
-    check_version: refuse what the installed TE cannot do (off for a stand-in's kinds in tests)."""
+    """Switch every splittable TE module of `module` (instances of `kinds`, see `splittable_layers`) to a
+    ModuleWgradQueue feeding `store`; returns (the parameters whose gradients now come in W, the PatchSet whose
+    restore() switches them back). check_version: refuse what the installed TE cannot do (off for a stand-in's
+    kinds in tests)."""
     patches, queues = PatchSet(f"te_wgrad ({store.name})"), []
     if check_version:
         _check_version(module, kinds)
     try:
-        for name, layer in module.named_modules():
-            kind = next((k for k in kinds if isinstance(layer, k)), None)
-            if kind is None or type(layer).__name__ in KEEP_IN_B:
-                continue
-            held = [(n, p) for n, p in layer.named_parameters(recurse=False)
-                    if p.requires_grad and not n.startswith("layer_norm")]
-            if not held:
-                continue
+        for name, layer, kind, held in splittable_layers(module, kinds):
             _check_switchable(layer, name, store)
             queue = ModuleWgradQueue(layer, name or type(layer).__name__, store, kind.backward_dw, held)
             patches.replace(layer, "wgrad_store", queue)
@@ -268,6 +285,38 @@ def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: b
     if queues:
         store.around_b_passes(_b_pass_scope(queues, module if hasattr(module, "param_to_bucket_group") else None))
     return held_all, patches
+
+
+def splittable_layers(module: torch.nn.Module, kinds: tuple) -> list:
+    """(name, layer, TE class, held (name, parameter) pairs) of the TE modules of `module` whose weight gradients
+    go to W: instances of `kinds` with trainable weights or biases (a fused norm's gradients come in B), except
+    those whose W stays in B (the module docstring says which and why)."""
+    bypassed = _run_through_te_ops(module)
+    found = []
+    for name, layer in module.named_modules():
+        kind = next((k for k in kinds if isinstance(layer, k)), None)
+        if kind is None or type(layer).__name__ in KEEP_IN_B or id(layer) in bypassed:
+            continue
+        held = [(n, p) for n, p in layer.named_parameters(recurse=False)
+                if p.requires_grad and not n.startswith("layer_norm")]
+        # TE's DistributedWeight protocol (2.19; megatron's --tensor-parallel-num-weight-shards): TE finalizes
+        # (reduce-scatters) such a weight's gradient only when it computes it in backward, never in backward_dw
+        if held and not any(getattr(p, "is_distributed_weight", False) for _, p in held):
+            found.append((name, layer, kind, held))
+    return found
+
+
+def _run_through_te_ops(module: torch.nn.Module) -> set:
+    """ids of the modules whose parameters megatron runs through TE's operation-based modules instead of their
+    own forward: the descendants of a module with megatron's `_fused_impl` (TEFusedMLP: the ops, built at the
+    first forward, are kept in a tuple, out of the module tree) or `_with_fused_impl` set (TEGroupedMLP under
+    --use-transformer-engine-op-fuser). Their queues would never be fed, while each B pass would take their
+    parameters' gradients, which the ops compute in B, for a W that never comes."""
+    bypassed: set = set()
+    for candidate in module.modules():
+        if hasattr(candidate, "_fused_impl") or getattr(candidate, "_with_fused_impl", False):
+            bypassed.update(id(child) for child in candidate.modules() if child is not candidate)
+    return bypassed
 
 
 def _check_version(module, kinds: tuple) -> None:

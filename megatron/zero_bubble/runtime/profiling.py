@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .memory_probe import HeldMemory
 from .p2p import wire_device
+from .tensor_bytes import storages
 
 
 class PassProfile:
@@ -108,7 +109,7 @@ def saved_activation_bytes(output: torch.Tensor, parameters) -> int:
     are skipped. Reading the graph changes nothing, unlike saved-tensor hooks, whose unpacked tensors are
     new objects without the weights' attributes that the deferred weight gradients rely on.
     """
-    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    skip = set(storages(list(parameters)))  # wrapper-subclass parameters (TE's) included: tensor_bytes.py
     seen: set[int] = set()
     total = 0
     stack, visited = [getattr(output, "grad_fn", None)], set()
@@ -117,11 +118,10 @@ def saved_activation_bytes(output: torch.Tensor, parameters) -> int:
         if node is None or id(node) in visited:
             continue
         visited.add(id(node))
-        for tensor in _saved_tensors(node):
-            pointer = tensor.untyped_storage().data_ptr()
+        for pointer, nbytes in storages(_saved_tensors(node)).items():
             if pointer not in skip and pointer not in seen:
                 seen.add(pointer)
-                total += tensor.untyped_storage().nbytes()
+                total += nbytes
         stack.extend(next_node for next_node, _ in node.next_functions)
     return total
 

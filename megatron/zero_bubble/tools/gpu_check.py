@@ -117,6 +117,16 @@ def versions() -> dict:
     return dict(sorted(found.items(), key=lambda kv: list(found).index(kv[0])))
 
 
+def transformer_engine_refusal(version: str) -> str | None:
+    """Why the Transformer Engine layers are not checked (`version` as versions() gives it), None if they are: not
+    installed, or a version the split refuses (then pretrain_gpt.py would stop at start-up)."""
+    from ..patches.te_wgrad import version_refusal
+
+    if version == "not installed":
+        return "transformer-engine is not installed"
+    return version_refusal(version, fused_accumulation=True)  # megatron's default: --gradient-accumulation-fusion
+
+
 # -- parsing what the launches print -----------------------------------------------------------------------
 def losses(stdout: str) -> dict[int, str]:
     """{iteration: lm loss as megatron printed it} of one pretrain_gpt.py run."""
@@ -313,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="zb_gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
     report = Report(versions())
-    te = not args.cpu and report.versions["transformer-engine"] != "not installed"
+    te_refused = transformer_engine_refusal(report.versions["transformer-engine"])
+    te = not args.cpu and te_refused is None
     if not args.cpu and not te:
-        report.add("a", "Transformer Engine layers", "not checked: transformer-engine is not installed", None)
+        report.add("a", "Transformer Engine layers", f"not checked: {te_refused}", None)
     check_layers(report, split_layer_run(out, args.cpu, te, args.reps))
     gpus = args.gpus or (2 if args.cpu else min(torch.cuda.device_count(), 8))
     shared = args.one_gpu or gpus == 1

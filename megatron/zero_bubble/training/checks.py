@@ -17,6 +17,7 @@ from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
+from .te_checks import check_transformer_engine_split
 from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
 
@@ -327,25 +328,6 @@ def _check_split_check_flag(args, schedule: str | None, flag: str | None) -> Non
         return
     runs = f"{flag} does not split the backward" if schedule is not None else "no zero-bubble schedule is chosen"
     raise StartupRefusal(f"--no-zero-bubble-split-check has no effect: {runs}; drop --no-zero-bubble-split-check")
-
-
-def check_transformer_engine_split(args, flag: str) -> None:
-    """What splitting Transformer Engine's layers into B and W needs (patches/te_wgrad.py): a TE version that
-    defers its weight gradients, and none of the TE features that cannot defer them."""
-    if getattr(args, "transformer_impl", "local") != "transformer_engine":
-        return
-    from ..patches import te_wgrad
-
-    reason = te_wgrad.version_refusal(te_wgrad.installed_version(), args.gradient_accumulation_fusion)
-    if reason is not None:
-        raise StartupRefusal(f"{flag} with --transformer-impl transformer_engine: {reason}; upgrade transformer-engine "
-                             f"or use --transformer-impl local")
-    if getattr(args, "tp_comm_overlap", False):
-        raise StartupRefusal(f"--tp-comm-overlap does not work with {flag} on Transformer Engine layers (TE does not "
-                             f"defer weight gradients with its Userbuffers overlap); drop --tp-comm-overlap")
-    if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
-        raise StartupRefusal(f"--cuda-graph-impl {args.cuda_graph_impl} does not work with {flag} (a captured backward "
-                             f"would replay one pass's choice of deferring the weight gradients); drop --cuda-graph-impl")
 
 
 def _refuse_runtime_only_flags(args, reason: str) -> None:
