@@ -51,6 +51,9 @@ def _add_rehearse(commands, common, one_schedule_options) -> None:
     sub.add_argument("--trace", metavar="FILE", default=None,
                      help="also write the rehearsed timeline as Chrome trace JSON (open it in Perfetto or "
                           "chrome://tracing): one thread per rank, each pass with its planned start")
+    sub.add_argument("--gloo-p2p", action="store_true",
+                     help="post the messages with gloo's own operations instead of the stand-in of NCCL's in-order "
+                          "streams with rendezvous (default: the stand-in, as NCCL runs them)")
     sub.add_argument("--no-dp-overlap", action="store_true",
                      help="with --dp-reduce: every bucket starts after the rank's last pass (no --overlap-grad-reduce)")
     sub.set_defaults(run=cmd_rehearse)
@@ -77,7 +80,8 @@ def cmd_rehearse(args) -> None:
                                      buckets=args.dp_buckets, every_stage=every_stage)
     report = rehearse(schedule, costs, RehearsalOptions(
         unit_ms=args.time_unit_ms, message_kib=message_kib, iterations=args.iterations,
-        optimizer_step=args.optimizer_step, allreduce=args.allreduce, data_parallel=data_parallel))
+        optimizer_step=args.optimizer_step, allreduce=args.allreduce, data_parallel=data_parallel,
+        strict_p2p=not args.gloo_p2p))
     sys.stdout.write(json.dumps(report) + "\n")
     if args.trace:
         write_trace(chrome_trace(rehearsed_rows(report, args.time_unit_ms), source="rehearsed",

@@ -40,7 +40,7 @@ import torch.multiprocessing
 from ..runtime.iteration import Iteration, LoweredRun
 from ..runtime.links import PipelineLinks
 from ..runtime.pass_timer import ClockPassTimer
-from ..runtime.p2p import PipelineTransport
+from ..runtime.p2p import PipelineTransport, TorchP2P
 from ..runtime.strict_p2p import StrictP2P
 from ..runtime.wgrad_store import WeightGradStore
 from ..schedules.costs import Costs
@@ -58,6 +58,8 @@ class RehearsalOptions:
     recv_delay_ms: float = 0.0  # a deliberately slow transport: sleep before posting each receive (tests)
     delayed_rank: int | None = None  # the rank whose transport is slowed (None: every rank)
     timeout_s: float = 300.0
+    # messages as NCCL runs them (runtime/strict_p2p.py: in order per group, rendezvous); False: gloo's own operations
+    strict_p2p: bool = True
     # Several iterations and the optimizer step between them, in the schedule's time unit. Without V passes
     # the step is megatron's synchronous one: a real all-reduce over all ranks (everyone waits for the
     # slowest), a modelled all-reduce time, then the step. With V passes (post-validation) each rank steps
@@ -306,7 +308,8 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
         # the pair groups training posts on, each an in-order stream with rendezvous, as NCCL runs it
-        links, ops = PipelineLinks.make(group), StrictP2P(options.timeout_s)
+        links = PipelineLinks.make(group)
+        ops = StrictP2P(options.timeout_s) if options.strict_p2p else TorchP2P()
         transport = transport_type(links, (numel,), torch.float32, torch.device("cpu"),
                                    validation_numel=validation.size, ops=ops, **extra)
         unit_s = options.unit_ms / 1e3
@@ -339,7 +342,8 @@ def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Cost
                 _wait(options.optimizer_step * unit_s)
                 record.step(step)
         torch.save(record.entries, os.path.join(result_dir, f"rank{rank}.pt"))
-        ops.close()
+        if options.strict_p2p:
+            ops.close()
         links.close()
         dist.barrier()
     finally:
