@@ -7,6 +7,8 @@ a release that moved one fails at start-up with one line naming it, not deep ins
 """
 from __future__ import annotations
 
+import contextlib
+
 from types import SimpleNamespace
 
 from ._patching import PatchError, check_megatron_core_version, megatron_core_version
@@ -183,27 +185,37 @@ class MegatronAdapter:
         kinds = self._te_layer_types if self._te_layer_types is not None else te_wgrad.layer_types()
         return [layer for _, layer, _, _ in te_wgrad.splittable_layers(module, kinds)] if kinds else []
 
+    # -- megatron's timers ------------------------------------------------------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def timed_forward_backward(config):
+        """megatron's "forward-backward" timer around one call, as its own schedules time it."""
+        timers = config.timers
+        if timers is not None:
+            timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+        try:
+            yield
+        finally:
+            if timers is not None:
+                timers("forward-backward").stop()
+
+    @staticmethod
+    def pause_timers(config):
+        """Switch megatron's timers off (the split check's extra passes must not count); returns what restores them."""
+        timers, config.timers = config.timers, None
+
+        def restore() -> None:
+            config.timers = timers
+
+        return restore
+
     # -- the optimizer step, kept stage-local (post-validation) ------------------------------------------
     @staticmethod
-    def has_main_params(optimizer) -> bool:
-        """Whether a leaf optimizer keeps fp32 main params apart from the model's (fp16 / bf16 training)."""
-        return hasattr(optimizer, "_copy_model_grads_to_main_grads")
+    def leaf_optimizers(optimizer) -> list:
+        """megatron's leaf optimizers, as post-validation steps them (megatron_optimizer.LeafOptimizer)."""
+        from .megatron_optimizer import leaf_optimizers
 
-    @staticmethod
-    def copy_model_grads_to_main_grads(optimizer) -> None:
-        _require(optimizer, "_copy_model_grads_to_main_grads")()
-
-    @staticmethod
-    def main_grads_for_unscaling(optimizer) -> list:
-        """The main gradients megatron checks for inf/NaN and unscales, as its prepare_grads collects them."""
-        return _require(optimizer, "_collect_main_grad_data_for_unscaling")()
-
-    @staticmethod
-    def copy_main_params_to_model_params(optimizer) -> None:
-        """After the main params changed outside a step (a rollback): the model's copies follow (no-op in fp32)."""
-        method = getattr(optimizer, "_copy_main_params_to_model_params", None)
-        if method is not None:
-            method()
+        return leaf_optimizers(optimizer)
 
     def squared_grad_norm(self, grads: list, device):
         """The sum of squares of `grads` as megatron's get_grad_norm_fp32 computes it before reducing."""

@@ -152,11 +152,11 @@ class PipelineExecutor:
             runs.append(ChunkRun(k, vs, vs == last,
                                  None if vs == 0 else fixed_input(shape, config.pipeline_dtype, device, k)))
         flags = keep_attributes(chunks, "is_first_microbatch")
-        timers, config.timers = config.timers, None
+        timers = self.megatron.pause_timers(config)
 
         def restore_extra() -> None:
             flags()
-            config.timers = timers
+            timers()
 
         for store in stores:
             store.grad_ready = None  # nothing is reported ready: the check's backward passes run in no_sync
@@ -233,20 +233,17 @@ class PipelineExecutor:
             transport=transport, stores=stores, validation=validation, faults=self.messaging.faults,
             rollback=rollback, rewind=rewind, observer=pass_observer or self.observer, memory=memory,
         )
-        if config.timers is not None:
-            config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-        if not forward_only:
-            self._prepare_stores(chunks)
-            for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
-                param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules start them
-        self.messaging.watch(transport, lowered.consumers(rank).get)
-        try:
-            iteration.run(lowered.programs[rank])
-        finally:
-            self.messaging.watch(None)
-        iteration.finish_backward()
-        if config.timers is not None:
-            config.timers("forward-backward").stop()
+        with self.megatron.timed_forward_backward(config):
+            if not forward_only:
+                self._prepare_stores(chunks)
+                for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
+                    param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules do
+            self.messaging.watch(transport, lowered.consumers(rank).get)
+            try:
+                iteration.run(lowered.programs[rank])
+            finally:
+                self.messaging.watch(None)
+            iteration.finish_backward()
         if memory is not None:
             iteration.stats.memory = memory.finish()
         self.last_stats = iteration.stats

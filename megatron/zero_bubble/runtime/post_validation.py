@@ -129,7 +129,7 @@ class PostValidation:
         """With the groups megatron's parallel state gives this optimizer: its leaves' statistics groups, and the
         part of each in this stage (tensor-parallel; expert tensor- and expert-parallel for the expert leaf; also
         data-parallel where the distributed optimizer shards state)."""
-        leaves = getattr(optimizer, "chained_optimizers", [optimizer])
+        leaves = megatron.leaf_optimizers(optimizer)
         groups = megatron.statistics_groups()
         blocks = step_statistics.blocks_for(leaves, dist.get_process_group_ranks(groups.stage), groups.in_stage)
         return cls(optimizer, megatron, pp_group=groups.pipeline, stage_group=blocks[0].stage_group, blocks=blocks,
@@ -137,14 +137,14 @@ class PostValidation:
 
     def __post_init__(self):
         self.stage, self.stages = self.pp_group.rank(), self.pp_group.size()
-        self.leaves = list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        self.leaves = self.megatron.leaf_optimizers(self.optimizer)  # patches/megatron_optimizer.LeafOptimizer
         if self.blocks is None:
             self.blocks = [step_statistics.Block.of(self.stats_group or self.pp_group, range(len(self.leaves)),
                                                     self.stage_group)]
         self.stats = step_statistics.SummaryLayout(self.blocks, len(self.leaves))
         self.size = self.stats.size
         self.device = current_device()
-        self.clip_grad = max(leaf.config.clip_grad for leaf in self.leaves)
+        self.clip_grad = max(leaf.clip_grad for leaf in self.leaves)
         self.undo = StepUndo(self.leaves, self.megatron, self.exact, self.scheduler)
 
     # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
@@ -336,24 +336,14 @@ class PostValidation:
         for leaf in self.leaves:
             found = torch.zeros((), dtype=torch.float, device=self.device)
             found_inf.append(found)
-            if getattr(leaf, "is_stub_optimizer", False):
-                continue
-            if self.megatron.has_main_params(leaf):  # fp16 / bf16 with fp32 main params
-                self.megatron.copy_model_grads_to_main_grads(leaf)
-                if leaf.grad_scaler is not None:
-                    leaf.found_inf.fill_(0.0)
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        self.megatron.main_grads_for_unscaling(leaf), leaf.found_inf, leaf.grad_scaler.inv_scale
-                    )
-                    found.copy_(leaf.found_inf.reshape(()))
-            else:
-                leaf.prepare_grads()  # FP32Optimizer: param.grad = param.main_grad, no communication
+            if not leaf.is_stub:
+                leaf.prepare_grads(found)
         return found_inf
 
     def _squared_norm(self, block) -> torch.Tensor:
         """This rank's sum of squared gradients of the block's leaves, computed as megatron's get_grad_norm_fp32
         does before reducing."""
-        grads = [grad for leaf in block.leaves for grad in self.leaves[leaf].get_grads_for_grad_norm()]
+        grads = [grad for leaf in block.leaves for grad in self.leaves[leaf].grads_for_norm()]
         if not grads:
             return torch.zeros((), dtype=torch.float, device=self.device)
         return self.megatron.squared_grad_norm(grads, self.device)
@@ -364,24 +354,23 @@ class PostValidation:
 
     def _clip(self, norm: float) -> None:
         for leaf in self.leaves:
-            params = leaf.get_parameters()
-            if leaf.config.clip_grad > 0.0 and params:
-                self.megatron.clip_by_total_norm(params, leaf.config.clip_grad, norm)
+            params = leaf.parameters()
+            if leaf.clip_grad > 0.0 and params:
+                self.megatron.clip_by_total_norm(params, leaf.clip_grad, norm)
 
     def _step_leaves(self) -> None:
         for leaf in self.leaves:
-            if not getattr(leaf, "is_stub_optimizer", False):
-                leaf.step_with_ready_grads()  # steps and copies main params to the model's fp16/bf16 ones
+            if not leaf.is_stub:
+                leaf.step()
 
     def _overlapped_gathers(self) -> list:
         """The model chunks whose parameter all-gathers megatron overlaps with the next forward passes
         (--overlap-param-gather with the distributed optimizer): after the step, a forward pre-hook gathers
         each bucket on its first use; a validation that changes the parameters gathers them itself."""
-        return [chunk for leaf in self.leaves for chunk in getattr(leaf, "model_chunks", [])
-                if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False)]
+        return [chunk for leaf in self.leaves for chunk in leaf.overlapped_gather_chunks()]
 
     def _update_loss_scale(self, summary: torch.Tensor) -> None:
         """Each leaf's scaler with its own leaf's inf flag, as megatron's prepare_grads updates it."""
         for index, leaf in enumerate(self.leaves):
-            if getattr(leaf, "grad_scaler", None) is not None:
-                leaf.grad_scaler.update(self.stats.overflowed(summary, index))
+            if leaf.has_loss_scaler:
+                leaf.update_loss_scale(self.stats.overflowed(summary, index))

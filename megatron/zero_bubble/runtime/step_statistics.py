@@ -98,7 +98,7 @@ def blocks_for(leaves: list, stage_ranks: list[int], stage_groups: list) -> list
 
     stage_ranks: every rank of this pipeline stage; stage_groups: callables returning megatron process groups
     within the stage, tried in turn for the part of each statistics group that lies in this stage."""
-    groups = [leaf.get_grad_stats_parallel_group() or dist.group.WORLD for leaf in leaves]
+    groups = [leaf.statistics_group() or dist.group.WORLD for leaf in leaves]
     if all(group == groups[0] for group in groups):  # megatron's grads_states_parallel_group_is_shared
         shares = [(groups[0], tuple(range(len(leaves))))]
     else:

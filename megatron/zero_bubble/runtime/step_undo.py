@@ -27,7 +27,7 @@ class StepUndo:
 
     def keep(self) -> list:
         """Per leaf, what `restore` needs to undo the step about to be taken (None for a stub leaf)."""
-        return [self._keep(getattr(leaf, "optimizer", None)) for leaf in self.leaves]
+        return [self._keep(leaf.torch_optimizer) for leaf in self.leaves]
 
     def _keep(self, torch_optimizer):
         if torch_optimizer is None:  # a stub (no parameters on this rank)
@@ -43,14 +43,12 @@ class StepUndo:
                 if kept_of_leaf is None:
                     continue
                 if self.exact:
-                    optimizer_rollback.restore(leaf.optimizer, kept_of_leaf)
+                    optimizer_rollback.restore(leaf.torch_optimizer, kept_of_leaf)
                 else:
                     record, tied = kept_of_leaf
-                    optimizer_rollback.invert(leaf.optimizer, record)
-                    _restore_tied_embedding(leaf.optimizer, tied)
-                self.megatron.copy_main_params_to_model_params(leaf)
-                if gather and hasattr(leaf, "start_param_sync_for_bucket_group_subset"):
-                    leaf.start_param_sync_for_bucket_group_subset()  # distributed: gather the restored shards
+                    optimizer_rollback.invert(leaf.torch_optimizer, record)
+                    _restore_tied_embedding(leaf.torch_optimizer, tied)
+                leaf.main_params_changed(gather)
 
     def hyperparameters(self) -> list:
         """Per leaf, [(lr, weight_decay)] per param group, as they are now."""
@@ -83,7 +81,7 @@ class StepUndo:
 
 
 def _groups(leaf) -> list:
-    return leaf.optimizer.param_groups if getattr(leaf, "optimizer", None) is not None else []
+    return leaf.torch_optimizer.param_groups if leaf.torch_optimizer is not None else []
 
 
 def _set(group: dict, key: str, value: float) -> None:

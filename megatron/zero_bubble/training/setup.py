@@ -91,8 +91,9 @@ def _attach_post_validation(session, exact: bool, settings, model, optimizer, sc
     """Put the optimizer's step under post-validation once megatron has built it (refusing what cannot roll back)."""
     from ..runtime import optimizer_rollback
 
-    leaves = getattr(optimizer, "chained_optimizers", [optimizer])
-    for torch_optimizer in (leaf.optimizer for leaf in leaves if getattr(leaf, "optimizer", None) is not None):
+    from ..patches.megatron_optimizer import leaf_optimizers
+
+    for torch_optimizer in filter(None, (leaf.torch_optimizer for leaf in leaf_optimizers(optimizer))):
         reason = None if exact else optimizer_rollback.inverse_unsupported_reason(torch_optimizer)
         if reason is None and not exact and type(torch_optimizer).__name__ == "FusedAdam":
             # written from apex/TE's documented update rule, but not yet checked against their CUDA kernels
