@@ -52,6 +52,7 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.optimizer.distrib_optimizer",  # shard buffers and checkpoint gathers on the current device
     "megatron.core.optimizer.grad_scaler",  # the fp16 loss scale and its counters on device="cuda"
     "megatron.core.rerun_state_machine",  # result checks on device="cuda", CUDA RNG state save/restore
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # RoPE's inv_freq on current_device()
 )
 
 
