@@ -82,12 +82,13 @@ class ModelSpec:
     ffn_hidden_size: int | None = None  # None: megatron's default, 4 x hidden
     qk_layernorm: bool = False  # a norm (of `normalization`) on the queries and keys of each head
     moe_layer_freq: int | tuple | None = None  # MoE on some layers only (megatron's decoder block spec); None: all
+    mtp_num_layers: int | None = None  # multi-token prediction layers on the last stage (megatron's MTP block)
 
     def config_overrides(self) -> dict:
         """The TransformerConfig settings this spec adds to the harness's defaults."""
         overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel,
                      "normalization": self.normalization, "ffn_hidden_size": self.ffn_hidden_size,
-                     "qk_layernorm": self.qk_layernorm}
+                     "qk_layernorm": self.qk_layernorm, "mtp_num_layers": self.mtp_num_layers}
         if self.swiglu:  # as megatron.training sets it for --swiglu
             overrides.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                              bias_activation_fusion=False)
@@ -114,6 +115,20 @@ class ModelSpec:
                                               vp_stage=vp_stage)
         return get_gpt_layer_local_spec(self.num_experts, qk_layernorm=self.qk_layernorm,
                                         normalization=self.normalization)
+
+    def mtp_spec(self, config, vp_stage: int | None):
+        """Megatron's multi-token-prediction block (its layers like the model's last layer); None without MTP."""
+        if self.mtp_num_layers is None:
+            return None
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        layer = self.layer_spec(config, vp_stage)
+        if hasattr(layer, "layer_specs"):  # a block spec: the model's last layer, whichever stage holds it
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+            layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
+                                                normalization=self.normalization)[-1]
+        return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +330,7 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
         stage = None if vpp is None else vp_stage
         chunks.append(GPTModel(
             config=config, vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
-            transformer_layer_spec=spec.layer_spec(config, stage),
+            transformer_layer_spec=spec.layer_spec(config, stage), mtp_block_spec=spec.mtp_spec(config, stage),
             position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),

@@ -36,6 +36,7 @@ OPTIONS = {  # megatron options beyond the Llama set, each kept exact (label -> 
     "qk-layernorm": dataclasses.replace(LLAMA, qk_layernorm=True),
     "rotary-percent-0.5": dataclasses.replace(LLAMA, rotary_percent=0.5),
     "moe-layer-freq": dataclasses.replace(MIXTRAL, moe_layer_freq=(1, 0, 0, 1)),
+    "mtp": dataclasses.replace(LLAMA, mtp_num_layers=1),
 }
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
 PP4, PP2, PP4X2, TP2 = Layout(pp=4), Layout(pp=2), Layout(pp=4, vpp=2), Layout(tp=2, pp=2)
@@ -210,6 +211,17 @@ def test_the_moe_models_are_what_they_claim(reports):
     moe_layers = sorted({int(name.split(".")[2]) for name in freq if ".router." in name})
     assert moe_layers == [0, 3]  # the pattern (1, 0, 0, 1); layers 1 and 2 dense
     assert freq["decoder.layers.1.mlp.linear_fc1.weight"] == (2 * 128, 64)
+
+
+def test_the_multi_token_prediction_layer_is_on_the_last_stage_and_trains(reports):
+    """Its own transformer layer and projection (eh_proj), on the last stage; its loss adds to the gradients (the grad
+    norm differs from the same model's without it)."""
+    by_stage = {r["pp_rank"]: r for r in reports["mtp/pp4/megatron"] if r["dp_rank"] == 0}
+    mtp = [name for name in by_stage[3]["shapes"] if name.startswith("mtp.")]
+    assert any(".eh_proj." in name for name in mtp) and any(".linear_fc1." in name for name in mtp)
+    assert not any(name.startswith("mtp.") for stage in (0, 1, 2) for name in by_stage[stage]["shapes"])
+    plain = next(r for r in reports["pp4/megatron"] if r["pp_rank"] == 3)
+    assert by_stage[3]["grad_norms"] != plain["grad_norms"]
 
 
 def test_queries_and_keys_are_normed_and_rope_turns_half_of_each_head(reports):
