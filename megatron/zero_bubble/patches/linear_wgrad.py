@@ -182,7 +182,9 @@ class DeferredLinearWeightGrad:
     def absorb(self, later) -> bool:
         """Take over `later`, the work of another use of this weight in the same backward, where autograd would
         have summed the two gradients (no fusion); False where each use accumulates on its own."""
-        if not isinstance(later, DeferredLinearWeightGrad) or later.weight is not self.weight or self.fusion or later.fusion:
+        if not isinstance(later, DeferredLinearWeightGrad) or later.weight is not self.weight:
+            return False
+        if self.fusion or later.fusion:
             return False
         self.later_uses.append(later)
         self.nbytes += later.nbytes

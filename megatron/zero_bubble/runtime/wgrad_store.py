@@ -63,13 +63,6 @@ def _cost(work: DeferredWork) -> int:
     return getattr(work, "cost", None) or work.weight.numel()
 
 
-def _add(works: list, work: DeferredWork) -> None:
-    """Append `work` to one backward's `works`, unless the same weight's earlier work there absorbs it."""
-    for earlier in works:
-        if earlier.weight is work.weight and getattr(earlier, "absorb", None) is not None and earlier.absorb(work):
-            return
-    works.append(work)
-
 
 class WeightGradStore:
     """Queue of deferred weight-gradient work for one model chunk, one entry per microbatch.
@@ -84,6 +77,7 @@ class WeightGradStore:
         self.grad_ready = grad_ready
         self._active = False
         self._fused: list[DeferredWork] | None = None  # handed over in the fused backward now running
+        self._first_uses: dict[int, DeferredWork] = {}  # id(weight) -> its first work in the backward now running
         self._open: list[DeferredWork] = []  # deferred by the B pass now running (or just finished)
         self._queue: deque[tuple[int, list[DeferredWork]]] = deque()  # (microbatch, its work), oldest first
         self._final: set[int] = set()  # ids of the works that complete their weight's gradient
@@ -138,6 +132,7 @@ class WeightGradStore:
                 yield self
         finally:
             self._active = False
+            self._first_uses.clear()
 
     @contextmanager
     def fused_backward(self, last: bool) -> Iterator[WeightGradStore]:
@@ -156,6 +151,7 @@ class WeightGradStore:
                         self.grad_ready(param)
         finally:
             self._fused = None
+            self._first_uses.clear()
 
     def hand_over(self, work: DeferredWork) -> None:
         """Called by a patched linear layer's backward: deferred during B, run as a BW pass's backward ends, at
@@ -163,7 +159,7 @@ class WeightGradStore:
         if self._active:
             self.defer(work)
         elif self._fused is not None:
-            _add(self._fused, work)
+            self._add(self._fused, work)
         else:
             work()
 
@@ -172,7 +168,13 @@ class WeightGradStore:
         if not self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: defer() called outside split_backward()")
         self._pending_bytes += work.nbytes  # before `_add`: an absorbing work's nbytes grows by the same
-        _add(self._open, work)
+        self._add(self._open, work)
+
+    def _add(self, works: list[DeferredWork], work: DeferredWork) -> None:
+        """Append `work` to this backward's `works`, unless the same weight's first work in it absorbs it."""
+        first = self._first_uses.setdefault(id(work.weight), work)
+        if first is work or getattr(first, "absorb", None) is None or not first.absorb(work):
+            works.append(work)
 
     def close_microbatch(self, mb: int, last: bool = False) -> None:
         """File the work deferred since the last close under microbatch `mb` (empty work is filed too);
