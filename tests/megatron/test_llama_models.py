@@ -40,6 +40,7 @@ OPTIONS = {  # megatron options beyond the Llama set, each kept exact (label -> 
     "rotary-percent-0.5": dataclasses.replace(LLAMA, rotary_percent=0.5),
     "moe-layer-freq": dataclasses.replace(MIXTRAL, moe_layer_freq=(1, 0, 0, 1)),
     "mtp": dataclasses.replace(LLAMA, mtp_num_layers=1),
+    "tied-embeddings": dataclasses.replace(LLAMA, tie_embeddings=True),  # megatron's default
 }
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
 PP4, PP2, PP4X2, TP2 = Layout(pp=4), Layout(pp=2), Layout(pp=4, vpp=2), Layout(tp=2, pp=2)
@@ -108,10 +109,20 @@ def _run_case(case: Case) -> dict:
                 grad_norms.append(grad_norm)
         if controller is not None:
             controller.flush()
-        shapes = {name: tuple(p.shape) for chunk in run.chunks
-                  for name, p in harness.global_param_names(chunk).items()}
-        return run.report(rollbacks=controller.rollbacks if controller is not None else 0, shapes=shapes,
-                          grad_norms=grad_norms, deferred=deferred)
+        named = {name: p for chunk in run.chunks for name, p in harness.global_param_names(chunk).items()}
+        return run.report(rollbacks=controller.rollbacks if controller is not None else 0, grad_norms=grad_norms,
+                          shapes={name: tuple(p.shape) for name, p in named.items()}, deferred=deferred,
+                          linear=_linear_weights(run.chunks, named))
+
+
+def _linear_weights(chunks, named: dict) -> set[str]:
+    """Global names of the weights of megatron's linear layers on this rank (attention, MLPs, experts, the output
+    layer, MTP's projection): what a split schedule defers; not the embeddings, norms and routers."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    weights = {id(module.weight) for chunk in chunks for module in chunk.modules()
+               if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None}
+    return {name for name, p in named.items() if id(p) in weights}
 
 
 @pytest.fixture(scope="module")
@@ -124,21 +135,15 @@ def _pairs(prefix: str, schedules) -> list[tuple[str, str]]:
     return [(f"{prefix}/{s}", f"{prefix}/megatron") for s in schedules]
 
 
-def _weights(report, deferred: bool = False) -> set[str]:
-    """The weights of this rank's linear layers (all of its weights but the word embedding's, the norms' and the
-    routers'), or of those the ones whose W a B pass deferred."""
-    names = report["deferred"] if deferred else {n for n in report["shapes"] if n.endswith("weight")}
-    return {n for n in names if "norm" not in n and ".router." not in n and "word_embeddings" not in n}
-
-
 @pytest.mark.parametrize("label", [c.label for c in CASES if c.schedule not in (None, "1f1b")])
 def test_every_linear_weight_has_its_gradient_deferred_to_a_w_pass(reports, label):
     """What makes the comparisons above worth anything: the zero-bubble runs split every linear layer's backward
-    (attention, SwiGLU, experts, shared experts, the untied output layer) into B and W; the word embedding, the norms
-    and the routers keep theirs in B."""
+    (attention, SwiGLU, experts, shared experts, the output layer, a tied one's copy included, MTP's projection) into
+    B and W; the embeddings, the norms and the routers keep their weight gradients in B."""
     for report in reports[label]:
-        assert _weights(report, deferred=True) == _weights(report) != set()
-        assert report["deferred"] == _weights(report, deferred=True)
+        assert report["deferred"] == report["linear"] != set()
+    output_layer = {"output_layer.weight", "embedding.word_embeddings.weight"}  # untied, or the tied copy
+    assert any(output_layer & report["linear"] for report in reports[label])  # held by the rank that ends the model
 
 
 def test_megatrons_own_schedule_defers_no_weight_gradient(reports):
@@ -205,6 +210,8 @@ def test_the_llama_model_is_what_it_claims(reports):
     assert not [name for name in shapes if "position_embeddings" in name]
     assert shapes["output_layer.weight"] == shapes["embedding.word_embeddings.weight"] == (128, 64)
     assert len([name for name in shapes if ".layers." in name]) == 4 * 6  # two norms and four linear weights a layer
+    tied = _shapes(reports, "tied-embeddings/pp4/megatron")  # the last stage's output layer is the embedding's copy
+    assert "output_layer.weight" not in tied and tied.keys() == shapes.keys() - {"output_layer.weight"}
 
 
 def test_the_moe_models_are_what_they_claim(reports):
