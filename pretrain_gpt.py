@@ -25,7 +25,12 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import (  # noqa: E402
@@ -41,18 +46,36 @@ from megatron.zero_bubble.training.init_weights import init_weights_by_global_na
 # ---------------------------------------------------------------- model
 
 
-def layer_spec(args):
-    """Megatron's local layer spec; Transformer Engine's when it is asked for (and installed)."""
-    if args.transformer_impl == "transformer_engine":
+def layer_spec(args, config, vp_stage=None):
+    """The layer specs megatron.training builds: for MoE models the decoder block spec (dense and MoE layers as
+    --moe-layer-freq lays them out), else one layer spec for every layer; megatron's local modules, or Transformer
+    Engine's when they are asked for (and installed)."""
+    use_te = args.transformer_impl == "transformer_engine"
+    if args.num_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                          qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
+    if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention
+            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
+            qk_l2_norm=args.qk_l2_norm,
         )
     return get_gpt_layer_local_spec(
         args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
-        normalization=args.normalization,
+        normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
     )
+
+
+def mtp_spec(args, config, vp_stage=None):
+    """The multi-token-prediction block (--mtp-num-layers) as megatron.training builds it: its layers are the model's
+    last decoder layer; None without MTP (and on the stages that hold none of its layers)."""
+    if not args.mtp_num_layers:
+        return None
+    use_te = args.transformer_impl == "transformer_engine"
+    last_layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                             qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)[-1]
+    return get_gpt_mtp_block_spec(config, last_layer, use_transformer_engine=use_te, vp_stage=vp_stage)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -62,7 +85,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     config = config if config is not None else core_transformer_config_from_args(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=layer_spec(args, config, vp_stage),
+        mtp_block_spec=mtp_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -156,7 +180,7 @@ def forward_step(data_iterator, model):
     """Megatron's forward_step_func for GPT: returns the per-token losses and the loss function."""
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
 

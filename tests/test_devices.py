@@ -86,6 +86,21 @@ def test_megatrons_local_layers_without_apex_are_refused_naming_the_flags_that_s
     assert _kernels_refusal(apex=True, te=False) is None
 
 
+def test_rotary_embeddings_on_local_layers_without_transformer_engine_need_the_fusion_off():
+    """megatron's RoPE fusion is on by default and is Transformer Engine's kernel whatever the layers: without TE
+    megatron's config stops with a ValueError. (On CPU the fusion is off by default: there is no TE there.)"""
+    rope = dict(position_embedding_type="rope", apply_rope_fusion=True)
+    message = _kernels_refusal(apex=True, te=False, **rope)
+    assert message is not None and message.startswith("--position-embedding-type rope")
+    assert "--no-rope-fusion" in message
+    assert _kernels_refusal(apex=True, te=False, **{**rope, "apply_rope_fusion": False}) is None
+    assert _kernels_refusal(apex=True, te=True, **rope) is None
+    learned = dict(position_embedding_type="learned_absolute", apply_rope_fusion=True)
+    assert _kernels_refusal(apex=True, te=False, **learned) is None
+    legacy = dict(learned, use_rotary_position_embeddings=True)
+    assert "--no-rope-fusion" in _kernels_refusal(apex=True, te=False, **legacy)
+
+
 def test_transformer_engine_layers_need_transformer_engine():
     message = _kernels_refusal(apex=False, te=False, transformer_impl="transformer_engine")
     assert message is not None and "--transformer-impl local" in message

@@ -15,6 +15,7 @@ Rank side (inside a scenario; the CPU backend is installed by `spawn` before the
     run_forward_backward(chunks, spec, m, first_microbatch, forward_step_func) -> {mb: loss}
     wrap_in_ddp(chunks, ddp_config) / make_optimizer(chunks, optimizer_config)
     full_grads(chunks) / full_params(chunks) -> {global name: full (TP-gathered) tensor}
+    with deferred_weights(chunks) as names: ...   the global names of the weights whose W a B pass deferred
     Case, CaseRun(case)        one training case: the zero-bubble session, parallel state, model, DDP,
                                optimizer, iterations and the report (what the test modules run)
     run_layout(layout, spec, num_microbatches, ...) -> this rank's report of one iteration
@@ -63,7 +64,8 @@ def _strict_messaging():
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """A tiny fp32 GPT: the default is 4 layers, hidden 64, 4 heads, sequence 32, vocabulary 128."""
+    """A tiny fp32 GPT: the default is 4 layers, hidden 64, 4 heads, sequence 32, vocabulary 128, learned absolute
+    positions, LayerNorm, GeLU; the Llama-class options below change that (test_llama_models.py's LLAMA)."""
 
     num_layers: int = 4
     hidden_size: int = 64
@@ -80,17 +82,62 @@ class ModelSpec:
     moe_token_dispatcher_type: str = "alltoall"
     moe_options: tuple = ()  # further TransformerConfig MoE settings as (name, value); a tuple value becomes a list
     sequence_parallel: bool = False  # with TP > 1 (the CPU backend supplies the norm that honours it)
+    # Llama-class options (see LLAMA): rotary position embeddings, RMSNorm, SwiGLU, grouped-query attention
+    position_embedding_type: str = "learned_absolute"  # "rope": rotary, megatron's unfused implementation
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    swiglu: bool = False  # gated linear unit with SiLU (megatron's --swiglu)
+    num_query_groups: int | None = None  # grouped-query attention: key/value heads (None: one per head)
+    ffn_hidden_size: int | None = None  # None: megatron's default, 4 x hidden
+    qk_layernorm: bool = False  # a norm (of `normalization`) on the queries and keys of each head
+    moe_layer_freq: int | tuple | None = None  # MoE on some layers only (megatron's decoder block spec); None: all
+    mtp_num_layers: int | None = None  # multi-token prediction layers on the last stage (megatron's MTP block)
 
     def config_overrides(self) -> dict:
         """The TransformerConfig settings this spec adds to the harness's defaults."""
-        overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel}
+        overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel,
+                     "normalization": self.normalization, "ffn_hidden_size": self.ffn_hidden_size,
+                     "qk_layernorm": self.qk_layernorm, "mtp_num_layers": self.mtp_num_layers}
+        if self.swiglu:  # as megatron.training sets it for --swiglu
+            overrides.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                             bias_activation_fusion=False)
+        if self.num_query_groups is not None:
+            overrides["num_query_groups"] = self.num_query_groups
         if self.num_experts is not None:
             overrides.update(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
                              moe_aux_loss_coeff=self.moe_aux_loss_coeff,
                              moe_token_dispatcher_type=self.moe_token_dispatcher_type)
             overrides.update({name: list(value) if isinstance(value, tuple) else value
                               for name, value in self.moe_options})
+            if self.moe_layer_freq is not None:
+                freq = self.moe_layer_freq
+                overrides["moe_layer_freq"] = list(freq) if isinstance(freq, tuple) else freq
         return overrides
+
+    def layer_spec(self, config, vp_stage: int | None):
+        """Megatron's local spec: one layer spec for every layer, or with `moe_layer_freq` the decoder block spec
+        that megatron.training builds for MoE models (dense and MoE layers by the pattern)."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+        if self.moe_layer_freq is not None:
+            return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=self.normalization,
+                                              vp_stage=vp_stage)
+        return get_gpt_layer_local_spec(self.num_experts, qk_layernorm=self.qk_layernorm,
+                                        normalization=self.normalization)
+
+    def mtp_spec(self, config, vp_stage: int | None):
+        """Megatron's multi-token-prediction block (its layers like the model's last layer); None without MTP."""
+        if self.mtp_num_layers is None:
+            return None
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        layer = self.layer_spec(config, vp_stage)
+        if hasattr(layer, "layer_specs"):  # a block spec: the model's last layer, whichever stage holds it
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+
+            layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=False,
+                                                normalization=self.normalization)[-1]
+        return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=False, vp_stage=vp_stage)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +331,6 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
     """This rank's GPTModel chunks (local layer spec), weights set by global name."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     config = transformer_config(spec, **config_overrides)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -292,8 +338,9 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
         chunks.append(GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(spec.num_experts), vocab_size=spec.vocab_size,
-            max_sequence_length=spec.seq_length,
+            config=config, vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
+            transformer_layer_spec=spec.layer_spec(config, stage), mtp_block_spec=spec.mtp_spec(config, stage),
+            position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=spec.tie_embeddings, vp_stage=stage,
@@ -365,6 +412,25 @@ def gpt_forward_step_per_token(data_iterator, model):
         return loss, tokens, {"lm loss": (loss / tokens).detach().clone(), "microbatch": batch["microbatch"]}
 
     return output, loss_func
+
+
+@contextlib.contextmanager
+def deferred_weights(chunks):
+    """Global names of the weights whose gradient a B pass handed to a WeightGradStore (their W deferred)."""
+    from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
+
+    names = {id(p): n for chunk in chunks for n, p in global_param_names(chunk).items()}
+    deferred, defer = set(), WeightGradStore.defer
+
+    def recording_defer(store, work):
+        deferred.add(names[id(work.weight)])
+        return defer(store, work)
+
+    WeightGradStore.defer = recording_defer
+    try:
+        yield deferred
+    finally:
+        WeightGradStore.defer = defer
 
 
 def run_forward_backward(chunks: list, spec: ModelSpec, num_microbatches: int, first_microbatch: int = 0,

@@ -236,6 +236,11 @@ def _destroy_megatron_state() -> None:
     moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
         moe_logging.destroy_moe_metrics_tracker()
+    rotary = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if rotary is not None:  # RotaryEmbedding.forward is an lru_cache over (self, ...), a class-wide one: it keeps the
+        # last 32 rotary modules alive, and with them the context-parallel group each one holds
+        for embedding in (rotary.RotaryEmbedding, rotary.MultimodalRotaryEmbedding):
+            getattr(embedding.forward, "cache_clear", lambda: None)()
 
 
 def _new_group_arguments(args: tuple, kwargs: dict) -> dict:

@@ -216,6 +216,32 @@ def test_uninstall_restores_every_patched_attribute_and_leaves_torch_alone():
     assert len(patched) == len(expected_torch_names) + 13  # the function replacements, one line each
 
 
+@needs_cpu_only_machine
+def test_rotary_embeddings_are_built_and_computed_on_the_cpu_with_the_backend_and_not_without():
+    """megatron's RotaryEmbedding puts its inverse frequencies on torch.cuda.current_device() when built and again at
+    its first forward (get_emb): with the backend both stay on the CPU and the embedding is RoPE's, cos/sin angles
+    position x base^(-2i/d); without it the construction fails as it did before the backend covered the module. YaRN's
+    embedding (its own module) likewise."""
+    from megatron.zero_bubble.patches import cpu_backend
+
+    cpu_backend.install()
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    try:
+        rope = RotaryEmbedding(kv_channels=16, rotary_percent=0.5, rotary_base=10000)
+        emb = rope.get_emb(32)
+        yarn, _ = YarnRotaryEmbedding(kv_channels=16, scaling_factor=4.0, original_max_position_embeddings=8)(32)
+    finally:
+        cpu_backend.uninstall()
+    assert yarn.device.type == "cpu" and yarn.shape == (32, 1, 1, 16)  # --position-embedding-type yarn, MLA's
+    inverse = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8)  # half of 16 dimensions turn
+    angles = torch.outer(torch.arange(32, dtype=torch.float32), inverse)
+    assert emb.device.type == "cpu" and torch.equal(emb, torch.cat((angles, angles), dim=-1)[:, None, None, :])
+    with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        RotaryEmbedding(kv_channels=16, rotary_percent=1.0)
+
+
 def test_install_refuses_a_machine_with_cuda_unless_forced(monkeypatch):
     from megatron.zero_bubble.patches import PatchError, cpu_backend
 

@@ -11,7 +11,6 @@ One spawned group of 4 ranks runs every scenario in turn; the parent compares th
 - Sequence parallelism at TP=2 x PP=2 (the CPU backend's norm): zb-h1 / zb-auto against megatron's 1F1B with
   the same flags, and the same function as without sequence parallelism (within rounding).
 """
-import contextlib
 import dataclasses
 
 import pytest
@@ -36,31 +35,12 @@ def _case(label: str, layout: Layout, schedule: str | None, spec: ModelSpec, opt
                         shard_data=optimizer != "local")
 
 
-@contextlib.contextmanager
-def _deferred_weights(chunks):
-    """Global names of the weights whose gradient a B pass handed to a WeightGradStore (their W deferred)."""
-    from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
-
-    names = {id(p): n for chunk in chunks for n, p in harness.global_param_names(chunk).items()}
-    deferred, defer = set(), WeightGradStore.defer
-
-    def recording_defer(store, work):
-        deferred.add(names[id(work.weight)])
-        return defer(store, work)
-
-    WeightGradStore.defer = recording_defer
-    try:
-        yield deferred
-    finally:
-        WeightGradStore.defer = defer
-
-
 def _run_case(case: harness.Case) -> dict:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     with harness.CaseRun(case) as run:
         tracker = get_moe_metrics_tracker()
-        with _deferred_weights(run.chunks) as deferred:
+        with harness.deferred_weights(run.chunks) as deferred:
             for step in range(case.steps):
                 run.iteration(step)
                 if step == 0:

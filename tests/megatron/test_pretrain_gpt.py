@@ -58,7 +58,8 @@ POST_VALIDATION_RUNS = ("pp4/megatron/clip", "pp4/megatron/clip/resumed", "pp4/z
                         *(f"pp4/{kind}/{precision}" for kind in ("megatron", "post-validation") for precision in PRECISIONS),
                         "dp2pp2/megatron/distributed", "dp2pp2/post-validation/distributed",
                         "dp2pp2/zb-auto/distributed/overlap", "dp2pp2/post-validation/distributed/overlap", "pp4/moe/megatron/fp16",
-                        "pp4/moe/post-validation/fp16")
+                        "pp4/moe/post-validation/fp16", "pp4/llama/megatron", "pp4/llama/zb-h1",
+                        "pp4/llama/zb-auto/post-validation-exact")
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"] + PV_MODEL
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]  # several buckets on the first stage
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
@@ -79,6 +80,17 @@ MOE = ("--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-toke
 MOE_PV = PV_MODEL[:1] + ["--clip-grad", "1.2", *PRECISIONS["fp16"], "--log-interval", "2"]
 TP2PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
              "--num-layers", "4"]  # half the layers: SP's gathers and scatters make these the slowest runs on gloo
+# A Llama-class model (docs/models.md): rotary positions (megatron's unfused RoPE: the CPU default), RMSNorm, SwiGLU,
+# grouped-query attention, untied embeddings, no biases. The harness (test_llama_models.py) compares the rest tensor
+# by tensor; here the main cases as users launch them.
+LLAMA = ("--position-embedding-type rope --normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2 "
+         "--untie-embeddings-and-output-weights --disable-bias-linear").split()
+# On top of it, an MoE stack as DeepSeek-V3 and Qwen lay it out: a dense first layer (--moe-layer-freq), top-2 of 4
+# SwiGLU experts beside a shared expert, and a multi-token-prediction layer on the last stage.
+LLAMA_MOE = LLAMA + MOE[:MOE.index("--disable-bias-linear")] + MOE[MOE.index("--disable-bias-linear") + 1:] + ["--moe-ffn-hidden-size", "64", "--moe-shared-expert-intermediate-size", "64",
+                                "--moe-layer-freq", "[0]+[1]*7", "--mtp-num-layers", "1"]
+LLAMA_DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", *OVERLAP,
+                     "--overlap-param-gather", *NO_CLIP]
 
 
 def _runs(work: str) -> dict[str, list[str]]:
@@ -156,6 +168,17 @@ def _runs(work: str) -> dict[str, list[str]]:
             "--zero-bubble-exact-rollback", *NO_ILP],
         "dp2pp2/post-validation/distributed": DISTRIBUTED + ["--pipeline-schedule", "zb-h1",
                                                              "--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"],
+        "pp4/llama/megatron": PP4 + LLAMA,
+        "pp4/llama/zb-h1": PP4 + LLAMA + ["--pipeline-schedule", "zb-h1"],
+        "pp4/llama/zb-auto/post-validation-exact": PP4 + LLAMA + ZB_AUTO_PV,
+        "pp4/llama/megatron/no-clip": PP4 + LLAMA + NO_CLIP,
+        "pp4/llama/zb-v": PP4 + LLAMA + NO_CLIP + ["--zero-bubble-v-schedule"],
+        # megatron buckets the first stage only, the runtime every stage: other distributed-optimizer shards, so no
+        # clipping (the grad norm sums other partial norms: its last bit may differ)
+        "dp2pp2/llama/megatron/distributed/overlap": LLAMA + LLAMA_DISTRIBUTED,
+        "dp2pp2/llama/zb-auto/distributed/overlap": LLAMA + LLAMA_DISTRIBUTED + ["--pipeline-schedule", "zb-auto", *NO_ILP],
+        "pp4/llama-moe/megatron": PP4 + LLAMA_MOE,
+        "pp4/llama-moe/zb-auto": PP4 + LLAMA_MOE + ["--enable-zero-bubble", *NO_ILP],
     }
 
 
@@ -431,6 +454,61 @@ def test_replanning_measures_the_moe_layers_like_any_other(runs, work_dir):
     assert min(costs.t_f) > 0 and min(costs.t_b) > 0 and min(costs.t_w) > 0 and min(costs.m_w) > 0
 
 
+# ---------------------------------------------------------------- tests: Llama-class models
+
+
+def _llama_layer_parameters(hidden: int = 64, heads: int = 4, groups: int = 2, ffn: int = 128) -> int:
+    """One layer of the Llama model: queries of every head and keys and values of each group (GQA), SwiGLU's gate and
+    up projection in fc1 (megatron sizes its ffn to 8/3 hidden, a multiple of 64), no biases, RMSNorm scales."""
+    head = hidden // heads
+    return hidden * (heads + 2 * groups) * head + hidden * hidden + 2 * ffn * hidden + ffn * hidden + 2 * hidden
+
+
+def test_the_llama_runs_build_the_llama_model(runs):
+    """Two layers per rank; the first stage adds the word embedding (no position embedding: rotary), the last the final
+    norm and its own output layer (untied)."""
+    per_rank, layers, embedding = _parameters_per_rank(runs["pp4/llama/megatron"]), 2 * _llama_layer_parameters(), 128 * 64
+    assert per_rank == {0: embedding + layers, 1: layers, 2: layers, 3: layers + 64 + embedding}
+
+
+@pytest.mark.parametrize("run", ["pp4/llama/zb-h1", "pp4/llama/zb-auto/post-validation-exact"])
+def test_a_llama_class_model_prints_megatrons_losses_and_grad_norms(runs, run):
+    """Clipped steps (the grad norm is above 1.0): with post-validation and exact rollback the first is taken on
+    partial norms, rolled back and re-stepped, and every printed figure is still megatron's."""
+    _same_training(runs[run], runs["pp4/llama/megatron"])
+    _same_validation(runs[run], runs["pp4/llama/megatron"])
+    if "post-validation" in run:
+        assert sum(int(n) for n in re.findall(r"number of optimizer rollbacks: +(\d+) \|", runs[run])) >= 1
+
+
+@pytest.mark.parametrize("run, reference", [("pp4/llama/zb-v", "pp4/llama/megatron/no-clip"),
+                                            ("dp2pp2/llama/zb-auto/distributed/overlap",
+                                             "dp2pp2/llama/megatron/distributed/overlap")])
+def test_a_llama_class_model_without_clipping_prints_megatrons_losses(runs, run, reference):
+    """ZB-V's layout, and the distributed optimizer's shards of every stage bucketed (megatron buckets the first
+    only): the losses to the last digit, the norms (sums of other partial norms) to their printed digits."""
+    _same_training(runs[run], runs[reference], norms_to_the_printed_digit=True)
+    _same_validation(runs[run], runs[reference])
+
+
+MTP_LOSS = re.compile(r" iteration +(\d+)/ *\d+ \|.*? mtp_1 loss: ([0-9.E+-]+) \|")
+
+
+def test_a_llama_moe_with_a_dense_first_layer_shared_experts_and_mtp_prints_megatrons_figures(runs):
+    """The MoE and MTP losses megatron logs too, every iteration: the split check and the W passes leave the MTP
+    layer's loss tracker as megatron's schedule leaves it, and the LM head, used for the main and the MTP logits,
+    accumulates its weight gradient as megatron's autograd does."""
+    ours, reference = runs["pp4/llama-moe/zb-auto"], runs["pp4/llama-moe/megatron"]
+    _same_training(ours, reference)
+    _same_validation(ours, reference)
+    for pattern in (MTP_LOSS, MOE_AUX_LOSS):
+        figures = [dict(pattern.findall(log)) for log in (ours, reference)]
+        assert figures[0] == figures[1] and sorted(figures[1]) == [str(i) for i in range(1, ITERS + 1)]
+    per_rank = _parameters_per_rank(reference)  # rank 0: a dense and an MoE layer, and the embedding; rank 1: two MoE
+    moe_mlp = 5 * 3 * 64 * 64 + 4 * 64  # four SwiGLU experts and a shared one (ffn 64 each), the router
+    assert per_rank[1] - per_rank[0] == moe_mlp - 3 * 128 * 64 - 128 * 64  # the MoE MLP in place of the dense one
+
+
 def _resumes_like(resumed: str, uninterrupted: str, first: int, norms_to_the_printed_digit: bool = False) -> None:
     """A run resumed from the checkpoint of iteration first-1 against the uninterrupted run: the norms of every
     iteration; the loss where megatron prints one iteration's own (its second logged iteration after a start
@@ -663,6 +741,12 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
     "mixture of experts and sequence parallelism, good flags": (
         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
          "--pipeline-schedule", "zb-h1", *MOE], 4, None),
+    "multi-token prediction with a V": (PP4 + ["--zero-bubble-v-schedule", "--mtp-num-layers", "1"], 4,
+                                        ["--mtp-num-layers does not work with --zero-bubble-v-schedule", "interleaved"]),
+    "multi-latent attention on megatron's local layers": (PP4 + ["--multi-latent-attention", "--enable-zero-bubble"], 4,
+                                                          ["--multi-latent-attention", "--transformer-impl transformer_engine",
+                                                           "not on CPU"]),
+    "a Llama-class MoE with MTP, good flags": (PP4 + LLAMA_MOE + ["--pipeline-schedule", "zb-h1"], 4, None),
     "no zero-bubble flag": ([], 1, None),
     "zero bubble, good flags": (PP4 + ["--enable-zero-bubble"], 4, None),
 }
@@ -675,7 +759,7 @@ EARLY = ("conflicting schedule flags", "conflicting --pipeline-schedule", "zb-v 
          "V memory setup without zb-v", "V memory set twice",
          "pipeline schedule with PP=1", "zero bubble with PP=1", "post-validation without a schedule",
          "exact rollback without post-validation", "one-chunk schedule with a virtual pipeline", "runtime flag with PP=1",
-         "zero-bubble option without a schedule", "timer window without the runtime")
+         "zero-bubble option without a schedule", "timer window without the runtime", "multi-token prediction with a V")
 
 
 def _reported(done, tag: str):

@@ -323,6 +323,67 @@ def test_ddp_style_main_grad_without_fusion_matches_megatron_hook(tp_group):
     assert layer.weight.grad is None
 
 
+def _with_ddp_hook(layer):
+    """megatron DDP's backward post-hook without fusion: main_grad.add_(param.grad) once autograd has the gradient."""
+    for param in layer.parameters():
+        param.main_grad = torch.zeros_like(param)
+        accumulate = param.expand_as(param).grad_fn.next_functions[0][0]
+
+        def hook(*_, param=param):
+            if param.grad is not None:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+
+        accumulate.register_hook(hook)
+        layer._keep = getattr(layer, "_keep", []) + [accumulate]
+    return layer
+
+
+def _uses_of_one_layer(layer, inputs, grad_ys, uses: int):
+    """One backward through `uses` calls of the same layer (as the LM head computes the main logits and each MTP
+    layer's): the sum of their outputs, scaled apart so that each use's gradient differs."""
+    xs = [x.clone().requires_grad_(True) for x in inputs[:uses]]
+    total = sum(layer(x)[0] * (1.0 + k / 3) for k, x in enumerate(xs))
+    total.backward(grad_ys[0])
+    return [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("uses", (2, 3))
+@pytest.mark.parametrize("pass_kind", ("B then W", "BW"))
+def test_a_weight_used_several_times_in_one_backward_sums_its_gradients_before_accumulating(tp_group, uses, pass_kind):
+    """Without gradient-accumulation fusion autograd adds a weight's gradients from every use in the backward, in
+    the order they arrive, and megatron DDP's hook adds that sum to main_grad once: (m + (g1 + g2)), not
+    ((m + g1) + g2), which differs in the last bit. The store's W (deferred, or run as a BW pass ends) does the same,
+    microbatch after microbatch."""
+    data = microbatch_data(make_layer("column", False, tp_group))
+    inputs, grad_ys = [x for x, _ in data], [gy for _, gy in data]
+    reference = _with_ddp_hook(make_layer("column", False, tp_group))
+    want = [_uses_of_one_layer(reference, inputs, grad_ys[mb:], uses) for mb in range(MICROBATCHES)]
+
+    layer = _with_ddp_hook(make_layer("column", False, tp_group))
+    store = WeightGradStore("test")
+    store.attach(layer, MEGATRON)
+    got = []
+    for mb in range(MICROBATCHES):
+        if pass_kind == "BW":
+            with store.fused_backward(last=mb == MICROBATCHES - 1):
+                got.append(_uses_of_one_layer(layer, inputs, grad_ys[mb:], uses))
+            continue
+        with store.split_backward():
+            got.append(_uses_of_one_layer(layer, inputs, grad_ys[mb:], uses))
+        assert store.pending_count == mb + 1  # one work per microbatch: the later uses absorbed
+        store.close_microbatch(mb)
+    store.flush()
+    assert all(torch.equal(a, b) for mine, theirs in zip(got, want) for a, b in zip(mine, theirs))
+    assert torch.equal(layer.weight.main_grad, reference.weight.main_grad)
+    separately = torch.zeros_like(layer.weight)  # what accumulating each use on its own gives: another last bit
+    for mb in range(MICROBATCHES):
+        for k in range(uses):
+            grad_output = grad_ys[mb] * (1.0 + k / 3)
+            separately.add_(grad_output.reshape(-1, grad_output.shape[-1]).t().matmul(inputs[k].reshape(-1, HIDDEN)))
+    assert not torch.equal(separately, reference.weight.main_grad)
+
+
 # ---- TP=2 (and a tiny GPTModel) in spawned gloo ranks: one group runs every scenario -----------------
 INTERLEAVED = ["B0", "B1", "W0", "B2", "W1", "W2"]
 GPT_MICROBATCHES = 3

@@ -52,6 +52,9 @@ MODULES_SEEING_CPU_AS_CUDA = (
     "megatron.core.optimizer.distrib_optimizer",  # shard buffers and checkpoint gathers on the current device
     "megatron.core.optimizer.grad_scaler",  # the fp16 loss scale and its counters on device="cuda"
     "megatron.core.rerun_state_machine",  # result checks on device="cuda", CUDA RNG state save/restore
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # RoPE's inv_freq on current_device()
+    "megatron.core.transformer.multi_token_prediction",  # MTP loss trackers on current_device()
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",  # YaRN RoPE (MLA): inv_freq likewise
 )
 
 

@@ -157,10 +157,12 @@ class DeferredLinearWeightGrad:
     - weight.main_grad present (megatron DDP, no fusion): main_grad.add_(wgrad), what DDP's backward
       post-hook does with the param.grad autograd would have produced;
     - otherwise weight.grad as autograd's AccumulateGrad: assigned first, added in place afterwards.
+    A weight used again in the same backward (`absorb`): without fusion autograd sums the uses' gradients, in the
+    order they arrive, before that one accumulation, and so does W; megatron's fused kernel accumulates each use.
     """
 
     __slots__ = ("input", "weight", "grad_output", "main_grad", "fusion", "sequence_parallel", "tp_group",
-                 "autocast_state", "nbytes")
+                 "autocast_state", "nbytes", "later_uses")
 
     def __init__(self, ctx, input, weight, grad_output):
         self.input = input.detach()  # drop the autograd history: only the values are needed
@@ -175,16 +177,51 @@ class DeferredLinearWeightGrad:
         # W runs under the autocast state megatron's custom_bwd would have restored in backward.
         self.autocast_state = SimpleNamespace(_fwd_used_autocast=ctx._fwd_used_autocast, _dtype=ctx._dtype)
         self.nbytes = _nbytes(input) + _nbytes(grad_output)
+        self.later_uses: list[DeferredLinearWeightGrad] = []
+
+    def absorb(self, later) -> bool:
+        """Take over `later`, the work of another use of this weight in the same backward, where autograd would
+        have summed the two gradients (no fusion); False where each use accumulates on its own."""
+        if not isinstance(later, DeferredLinearWeightGrad) or later.weight is not self.weight:
+            return False
+        if self.fusion or later.fusion:
+            return False
+        self.later_uses.append(later)
+        self.nbytes += later.nbytes
+        return True
 
     def __call__(self) -> None:
         with torch.no_grad():
             _layers().custom_bwd(_compute_and_accumulate)(self.autocast_state, self)
-        self.input = self.grad_output = None  # release M_W now, even if the caller keeps the object
+        for work in (self, *self.later_uses):
+            work.input = work.grad_output = None  # release M_W now, even if the caller keeps the object
 
 
 def _compute_and_accumulate(_autocast_state, work: DeferredLinearWeightGrad) -> None:
+    weight = work.weight
+    if work.fusion:
+        total_input, grad_output = _wgrad_operands(work)
+        weight.main_grad = work.main_grad  # megatron restores it too (a layer may be reused, e.g. MTP)
+        _fused_wgrad_accumulate(_layers(), weight, total_input, grad_output)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        return
+    grad_weight = _weight_grad(work)
+    for later in work.later_uses:  # autograd's input buffer: the first gradient plus each later one
+        grad_weight = grad_weight + _weight_grad(later)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad_weight)
+    elif weight.grad is None:
+        weight.grad = grad_weight
+    else:
+        weight.grad.add_(grad_weight)
+
+
+def _wgrad_operands(work: DeferredLinearWeightGrad) -> tuple:
+    """(the input, all-gathered again under sequence parallelism, and grad_output), as megatron forms them."""
     layers = _layers()
-    weight, input = work.weight, work.input
+    input = work.input
     if work.sequence_parallel:
         dim_size = list(input.size())
         dim_size[0] = dim_size[0] * work.tp_group.size()
@@ -193,21 +230,12 @@ def _compute_and_accumulate(_autocast_state, work: DeferredLinearWeightGrad) -> 
     else:
         total_input = input
     grad_output, total_input = layers.prepare_input_tensors_for_wgrad_compute(work.grad_output, total_input)
+    return total_input, grad_output
 
-    if work.fusion:
-        weight.main_grad = work.main_grad  # megatron restores it too (a layer may be reused, e.g. MTP)
-        _fused_wgrad_accumulate(layers, weight, total_input, grad_output)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-        return
-    grad_weight = grad_output.t().matmul(total_input)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
-        main_grad.add_(grad_weight)
-    elif weight.grad is None:
-        weight.grad = grad_weight
-    else:
-        weight.grad.add_(grad_weight)
+
+def _weight_grad(work: DeferredLinearWeightGrad) -> torch.Tensor:
+    total_input, grad_output = _wgrad_operands(work)
+    return grad_output.t().matmul(total_input)
 
 
 def _fused_wgrad_accumulate(layers, weight, total_input, grad_output) -> None:

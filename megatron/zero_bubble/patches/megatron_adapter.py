@@ -28,7 +28,10 @@ _REQUIRED = {
         "get_data_parallel_group"),
     "megatron.core.transformer.moe.moe_logging": ("get_moe_metrics_tracker",),
     "megatron.core.transformer.moe.router": ("MoEAuxLossAutoScaler",),
+    "megatron.core.transformer.multi_token_prediction": ("MTPLossLoggingHelper",),
 }
+# The per-layer sums megatron's multi-token-prediction layers add to at each training forward (for the log).
+MTP_TRACKED = ("loss_values", "correct_values", "total_values")
 
 # What an MoE router's training forward adds to, and megatron zeroes after the iteration's last backward
 # (finalize_model_grads: reset_model_temporary_tensors): tokens per expert for the expert-bias update, the
@@ -119,16 +122,18 @@ class MegatronAdapter:
         return ready
 
     def forward_accumulators(self, model_chunks):
-        """What megatron's training forward passes accumulate into (MoE routers' running counts and the MoE
-        metrics tracker's per-layer losses), kept as it is now; returns `restore()`, which puts it back
-        (replay.Rewind). A metric the tracker starts after this call is zeroed: its entry would have been made
-        from zeros."""
+        """What megatron's training forward passes accumulate into (MoE routers' running counts, the MoE metrics
+        tracker's per-layer losses, the multi-token-prediction layers' losses and accuracies), kept as it is now;
+        returns `restore()`, which puts it back (replay.Rewind). A metric a tracker starts after this call is
+        zeroed: its entry would have been made from zeros."""
         import torch
 
         kept = [(tensor, tensor.clone()) for chunk in model_chunks for module in chunk.modules()
                 for name in ROUTER_ACCUMULATORS if torch.is_tensor(tensor := getattr(module, name, None))]
         tracker = self._m.moe_logging.get_moe_metrics_tracker()
         metrics = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
+        mtp = self._m.multi_token_prediction.MTPLossLoggingHelper.tracker  # a class attribute: one dict per process
+        mtp_values = {name: mtp[name].clone() for name in MTP_TRACKED if name in mtp}
 
         def restore() -> None:
             for tensor, value in kept:
@@ -138,6 +143,11 @@ class MegatronAdapter:
                     entry.values.copy_(metrics[name])
                 else:
                     entry.values.zero_()
+            for name in MTP_TRACKED:
+                if name in mtp_values:
+                    mtp[name].copy_(mtp_values[name])
+                elif name in mtp:
+                    mtp[name].zero_()
 
         return restore
 

@@ -5,7 +5,11 @@ path, time T_B) and W (gradient w.r.t. the weights, time T_W, movable into bubbl
 chunk's store for "the W work of microbatch i" and never needs to know who holds it. Two kinds of layer
 hand their work in, both through the adapter's `split_linear_layers` (see `attach`):
 - megatron's own linear layers (`patches/linear_wgrad.py`) hand their weight-gradient work to `hand_over()`:
-  while a B pass runs inside `split_backward()` it is deferred, otherwise (a fused BW pass) it runs at once;
+  while a B pass runs inside `split_backward()` it is deferred, in a fused BW pass (`fused_backward()`) it runs as
+  the pass's backward ends, outside both at once. A weight used more than once in one backward (the LM head of a
+  model with multi-token prediction computes the main logits and each MTP layer's) hands over one work per use:
+  the store offers each to the same weight's earlier work of that backward (`absorb`), which sums their gradients
+  before it accumulates, as autograd does before megatron DDP's hook sees the gradient;
 - Transformer Engine's modules (`patches/te_wgrad.py`) keep their own per-module FIFO (`delay_wgrad_compute`)
   and `defer()` one work item per entry their backward queues during a B pass; running it calls the
   module's `backward_dw()`, which pops that module's oldest entry. In a BW pass they compute at once. `close_microbatch(mb)`
@@ -41,8 +45,9 @@ class DeferredWork(Protocol):
     """One deferred weight-gradient computation (one linear layer, one microbatch).
 
     Optional attributes: `params`, the parameters whose gradient it completes (default: `weight` alone; a
-    Transformer Engine module's W computes its biases too) and `cost`, its relative cost when the tail is
-    re-cut layer by layer (default: the weight's number of elements)."""
+    Transformer Engine module's W computes its biases too), `cost`, its relative cost when the tail is
+    re-cut layer by layer (default: the weight's number of elements), and `absorb(later) -> bool`, which takes
+    over a later work of the same backward (another use of the same weight) where it accumulates as one."""
 
     nbytes: int  # memory the work keeps alive until it runs (activations and gradients)
     weight: torch.nn.Parameter  # the weight whose gradient it accumulates (its layer's key: FIFO per layer)
@@ -58,6 +63,7 @@ def _cost(work: DeferredWork) -> int:
     return getattr(work, "cost", None) or work.weight.numel()
 
 
+
 class WeightGradStore:
     """Queue of deferred weight-gradient work for one model chunk, one entry per microbatch.
 
@@ -70,7 +76,8 @@ class WeightGradStore:
         self.name = name
         self.grad_ready = grad_ready
         self._active = False
-        self._completing = False  # inside the chunk's last fused backward: its gradients complete now
+        self._fused: list[DeferredWork] | None = None  # handed over in the fused backward now running
+        self._first_uses: dict[int, DeferredWork] = {}  # id(weight) -> its first work in the backward now running
         self._open: list[DeferredWork] = []  # deferred by the B pass now running (or just finished)
         self._queue: deque[tuple[int, list[DeferredWork]]] = deque()  # (microbatch, its work), oldest first
         self._final: set[int] = set()  # ids of the works that complete their weight's gradient
@@ -125,35 +132,49 @@ class WeightGradStore:
                 yield self
         finally:
             self._active = False
+            self._first_uses.clear()
 
     @contextmanager
     def fused_backward(self, last: bool) -> Iterator[WeightGradStore]:
         """Run the enclosed backward as a BW pass (weight gradients at once); `last`: the chunk's last
         microbatch, so each weight's gradient is complete when its work has run (grad_ready)."""
-        if self._active:
-            raise RuntimeError(f"WeightGradStore {self.name!r}: fused_backward() inside split_backward()")
-        self._completing = last
+        if self._active or self._fused is not None:
+            raise RuntimeError(f"WeightGradStore {self.name!r}: fused_backward() inside another backward")
+        self._fused = []
         try:
             yield self
+            works, self._fused = self._fused, None
+            for work in works:
+                work()
+                if last and self.grad_ready is not None:
+                    for param in completed_params(work):
+                        self.grad_ready(param)
         finally:
-            self._completing = False
+            self._fused = None
+            self._first_uses.clear()
 
     def hand_over(self, work: DeferredWork) -> None:
-        """Called by a patched linear layer's backward: deferred during B, run now otherwise."""
+        """Called by a patched linear layer's backward: deferred during B, run as a BW pass's backward ends, at
+        once outside both (see the module docstring)."""
         if self._active:
             self.defer(work)
-            return
-        work()
-        if self._completing and self.grad_ready is not None:
-            for param in completed_params(work):
-                self.grad_ready(param)
+        elif self._fused is not None:
+            self._add(self._fused, work)
+        else:
+            work()
 
     def defer(self, work: DeferredWork) -> None:
         """Keep the work for a W pass (during B)."""
         if not self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: defer() called outside split_backward()")
-        self._open.append(work)
-        self._pending_bytes += work.nbytes
+        self._pending_bytes += work.nbytes  # before `_add`: an absorbing work's nbytes grows by the same
+        self._add(self._open, work)
+
+    def _add(self, works: list[DeferredWork], work: DeferredWork) -> None:
+        """Append `work` to this backward's `works`, unless the same weight's first work in it absorbs it."""
+        first = self._first_uses.setdefault(id(work.weight), work)
+        if first is work or getattr(first, "absorb", None) is None or not first.absorb(work):
+            works.append(work)
 
     def close_microbatch(self, mb: int, last: bool = False) -> None:
         """File the work deferred since the last close under microbatch `mb` (empty work is filed too);

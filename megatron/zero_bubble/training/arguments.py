@@ -1,5 +1,5 @@
-"""The zero-bubble command line of `pretrain_gpt.py`: flags (flags.py), start-up checks (checks.py), the checks
-before megatron's import (early.py) and the one-line stop (refusal.py), put together here.
+"""The zero-bubble command line of `pretrain_gpt.py`: flags (flags.py), start-up checks (checks.py, model_options.py),
+the checks before megatron's import (early.py) and the one-line stop (refusal.py), put together here.
 
 `parse_and_validate()` parses the command line once without megatron's validation, refuses bad combinations
 with one line naming the flag and the fix (`StartupRefusal`), then runs megatron's own `parse_and_validate_args`.
@@ -12,9 +12,11 @@ import sys
 import traceback
 
 from ..schedules.planners import natural_chunks
-from .checks import ZeroBubbleOptions, check, padding_chunks
+from .checks import ZeroBubbleOptions, padding_chunks
+from .checks import check as check_flags_and_schedule
 from .devices import place_ranks
 from .layer_layout import padding_layout
+from .model_options import check_model_options
 from .early import EARLY_MEGATRON_FLAGS, check_early, early_check, early_parser
 from .flags import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StartupRefusal, add_arguments
 from .refusal import EXIT_REFUSED, refuse
@@ -22,6 +24,13 @@ from .refusal import EXIT_REFUSED, refuse
 __all__ = ["EXIT_REFUSED", "PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "StartupRefusal", "ZeroBubbleOptions",
            "EARLY_MEGATRON_FLAGS", "add_arguments", "check", "check_early", "early_check", "early_parser",
            "megatron_defaults", "parse_and_validate", "refuse"]
+
+
+def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
+    """Every start-up check on the parsed command line: the model options (model_options.py), then the flags and the
+    schedule (checks.py's `check`, which returns the run's ZeroBubbleOptions, None for megatron's own schedule)."""
+    check_model_options(args)
+    return check_flags_and_schedule(args, argv)
 
 
 def megatron_defaults(options: ZeroBubbleOptions | None, args) -> dict:

@@ -51,17 +51,28 @@ def check_gpu_kernels(args, apex: bool | None = None, transformer_engine: bool |
     kernels where apex is missing (`apex`, `transformer_engine`: whether installed; default: look)."""
     from ..patches.te_wgrad import installed_version
 
+    te_installed = installed_version() is not None if transformer_engine is None else transformer_engine
     if args.transformer_impl == "transformer_engine":
-        if not (installed_version() is not None if transformer_engine is None else transformer_engine):
+        if not te_installed:
             raise StartupRefusal("--transformer-impl transformer_engine (megatron's default) needs transformer-engine, "
                                  "which is not installed; install it or add --transformer-impl local")
         return
+    if _rotary(args) and getattr(args, "apply_rope_fusion", False) and not te_installed:
+        raise StartupRefusal("--position-embedding-type rope: megatron's RoPE fusion (on unless --no-rope-fusion) is "
+                             "Transformer Engine's kernel, which is not installed; add --no-rope-fusion (or install "
+                             "transformer-engine)")
     if apex if apex is not None else importlib.util.find_spec("apex") is not None:
         return
     missing = [flag for flag, asks_for_apex in _APEX_DEFAULTS.items() if asks_for_apex(args)]
     if missing:
         raise StartupRefusal(f"--transformer-impl local without apex: megatron's defaults ask for apex's kernels; add "
                              f"{' '.join(missing)} (or install apex)")
+
+
+def _rotary(args) -> bool:
+    """Rotary position embeddings, as megatron reads the flags (the legacy --use-rotary-position-embeddings too)."""
+    return getattr(args, "position_embedding_type", None) == "rope" or getattr(args, "use_rotary_position_embeddings",
+                                                                             False)
 
 
 def check_shared_gpus(args, through_runtime: bool, cuda: bool | None = None) -> None:

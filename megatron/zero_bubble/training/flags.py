@@ -92,7 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
                             no_persist_layer_norm=True, transformer_impl="local",
                             bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
-                            masked_softmax_fusion=False)  # its fp16/bf16 kernel is CUDA-only
+                            masked_softmax_fusion=False,  # its fp16/bf16 kernel is CUDA-only
+                            apply_rope_fusion=False)  # Transformer Engine's RoPE kernel (megatron: --no-rope-fusion)
     return parser
 
 
