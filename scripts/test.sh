@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@" tests
+exec "${PYTHON:-python3}" -m pytest -q -m "" "$@" tests

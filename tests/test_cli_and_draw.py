@@ -210,6 +210,7 @@ def test_malformed_json_exits_nonzero_with_one_line(text, tmp_path, capsys):
     assert_one_error_line(code, err)
 
 
+@pytest.mark.slow  # a process
 def test_module_entry_point_reports_errors_without_a_traceback():
     result = subprocess.run(
         [sys.executable, "-m", "megatron.zero_bubble.schedules.cli", "simulate", "--schedule", "1f1b", "-p", "4",

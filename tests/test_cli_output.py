@@ -22,6 +22,9 @@ ILP_CASE = ["--schedule", "zb-auto", "--stages", "4", "--microbatches", "4", "--
             "--ilp-time-limit", "10"]
 
 
+pytestmark = pytest.mark.slow  # every command runs as a process
+
+
 def _run(*argv: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "megatron.zero_bubble.schedules.cli", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)

@@ -162,6 +162,7 @@ def test_bad_labels_and_single_input_are_usage_errors(tmp_path, capsys):
     assert code == 2 and "at least two runs" in err
 
 
+@pytest.mark.slow  # a process
 def test_script_runs_as_a_command_and_exits_with_the_comparison_status(tmp_path):
     ref = write_log(tmp_path / "ref.log")
     diverging = write_log(tmp_path / "diverging.log", shift_from=2, shift=0.5)

@@ -124,6 +124,7 @@ def test_the_cpu_is_used_only_when_asked_for():
     assert "keep one of them" in refusal(cuda=True, zero_bubble_cpu=True, zero_bubble_share_gpus=True)
 
 
+@pytest.mark.slow  # a process
 def test_without_cuda_pretrain_gpt_stops_in_one_line_naming_the_opt_in():
     import subprocess
     import sys

@@ -10,8 +10,6 @@ import sys
 import pytest
 
 from megatron.zero_bubble.tools import gpu_check
-from tests.markers import starts_in_background
-from tests.megatron.pretrain_driver import Background
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +20,7 @@ def _script(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # starts the tool
 def test_without_cuda_it_says_so_in_one_line_and_exits_2():
     done = _script()
     assert done.returncode == gpu_check.EXIT_NO_CUDA
@@ -80,26 +79,11 @@ def test_the_table_holds_only_when_every_verdict_of_a_part_holds():
     assert table.splitlines()[0] == "versions: torch 2.13.0" and "| a | model | differs | NO |" in table
 
 
-_STARTED: dict = {}
-
-
-def _start_cpu_check(tmp_path_factory) -> list[Background]:
-    """The whole check on CPU, started once (by conftest.py as soon as the tests are collected: it runs beside them)."""
-    if "check" not in _STARTED:
-        out = str(tmp_path_factory.mktemp("gpu_check_cpu"))
-        command = ["bash", "scripts/gpu_check.sh", "--cpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-h1",
-                   "--out", out]
-        _STARTED["check"] = Background("gpu-check", command, out, timeout=900,
-                                       env={"PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""})
-    return [_STARTED["check"]]
-
-
 @pytest.fixture(scope="module")
-@starts_in_background(_start_cpu_check)
 def cpu_check(tmp_path_factory):
-    (launch,) = _start_cpu_check(tmp_path_factory)
-    yield launch.result()
-    _STARTED.pop("check").stop()
+    """The whole check on CPU, once for the module's tests."""
+    out = str(tmp_path_factory.mktemp("gpu_check_cpu"))
+    return _script("--cpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-h1", "--out", out, timeout=900)
 
 
 @pytest.mark.slow
@@ -117,7 +101,6 @@ def test_every_part_runs_on_cpu_and_the_check_holds(cpu_check):
 
 
 @pytest.mark.slow
-@pytest.mark.launches
 def test_the_one_gpu_mode_is_rehearsed_on_cpu_against_a_single_rank_run(tmp_path):
     """The one-GPU mode's launches (two pipeline ranks against megatron on one rank, untied embeddings) on CPU: what
     a lent GPU runs, minus the card."""

@@ -106,6 +106,7 @@ def test_the_planning_layer_has_no_import_cycle_and_no_import_on_use():
         visit(module)
 
 
+@pytest.mark.slow  # a process
 def test_the_planning_layer_imports_no_torch():
     modules = [f"megatron.zero_bubble.schedules.{p.stem}" for p in SCHEDULES_DIR.glob("*.py") if p.stem != "__init__"]
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)

@@ -18,9 +18,8 @@ KEYS = {"schedule", "stages", "microbatches", "simulated_makespan", "measured_ma
         "simulated_bubble_rate", "measured_bubble_rate", "max_pass_lateness", "per_rank"}
 
 
-# rehearse() starts one process per rank, in the package's code (which tests/markers.py does not read): its tests carry
-# the `launches` mark by hand.
-@pytest.mark.launches
+# rehearse() starts one process per rank: slow.
+@pytest.mark.slow
 def test_a_p16_rehearsal_runs_every_planned_pass_no_sooner_than_planned():
     schedule, costs = zb_h1(16, 32), Costs.make(16, t_f=4.0, t_b=4.0, t_w=3.0, t_comm=0.2)
     report = rehearse(schedule, costs)
@@ -36,7 +35,7 @@ def test_a_p16_rehearsal_runs_every_planned_pass_no_sooner_than_planned():
     # no upper bound here: a loaded CI machine stretches the waits; benchmarks/rehearsal.py measures the ratio
 
 
-@pytest.mark.launches
+@pytest.mark.slow
 def test_a_transport_that_posts_receives_late_shows_as_lateness():
     schedule, costs = zb_h1(4, 8), Costs.make(4, t_f=5.0, t_b=5.0, t_w=4.0)
     delay_ms = 30.0
@@ -46,7 +45,7 @@ def test_a_transport_that_posts_receives_late_shows_as_lateness():
     assert slow["max_pass_lateness"] >= delay_ms and slow["ratio"] > 1.1
 
 
-@pytest.mark.launches
+@pytest.mark.slow
 def test_several_iterations_with_the_synchronous_step_or_post_validation():
     """The synchronous step waits for every rank, then the all-reduce, then the step: no iteration can take
     less than the makespan plus both. Post-validation iterations run the plan's V passes in order."""
@@ -60,7 +59,7 @@ def test_several_iterations_with_the_synchronous_step_or_post_validation():
     assert validated["executor_us_per_pass"] is not None and validated["executor_us_per_pass"] > 0
 
 
-@pytest.mark.launches
+@pytest.mark.slow
 def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_only_with_overlap():
     """Without overlap every bucket starts after the rank's last pass, so each rank waits the whole reduction;
     with it, buckets start as the last BW (1F1B: megatron buckets only the first stage, the others reduce in
@@ -90,6 +89,7 @@ def test_modelled_data_parallel_reduction_starts_buckets_during_the_last_passes_
             p.op for p in schedule.ranks[0]]
 
 
+@pytest.mark.slow
 def test_rehearse_command_prints_only_json_on_stdout_and_a_summary_on_stderr_and_writes_a_trace(tmp_path):
     trace_path = tmp_path / "rehearsed.json"
     command = [sys.executable, "-m", "megatron.zero_bubble.cli", "rehearse", "--schedule", "1f1b", "--stages", "2",

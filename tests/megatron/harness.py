@@ -31,9 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 import os
-import socket
 import tempfile
 import time
 import zlib
@@ -42,13 +40,8 @@ from typing import Callable
 import torch
 import torch.multiprocessing
 
-from tests.megatron.process_groups import (
-    check_thread_count,
-    destroy_parallel_state,
-    init_parallel_state,
-    now_running,
-    rank_groups,
-)
+from tests.launching import free_port
+from tests.megatron.process_groups import destroy_parallel_state, init_parallel_state
 
 DEFAULT_TIMEOUT_S = 180.0
 # Every case's messages go through the stand-in of NCCL's point-to-point (runtime/strict_p2p.py): in order per
@@ -170,12 +163,6 @@ def rank_device() -> Device:
 # ---------------------------------------------------------------- parent side: processes and results
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
           start_method: str = "spawn", **kwargs) -> list:
     """Run `scenario(*args, **kwargs)` on `world_size` spawned ranks joined by a gloo process group.
@@ -233,43 +220,24 @@ def _rank_main(rank, world_size, port, result_dir, scenario, args, kwargs):
         from megatron.zero_bubble.patches import cpu_backend
 
         cpu_backend.install()
-    with rank_groups():  # the process lives as long as the rank
-        torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
-        # Everything imported so far lives as long as the rank: out of the collector's reach, so that the
-        # gc.collect() of each destroy_parallel_state scans only what the scenarios made (seconds -> ms).
-        gc.freeze()
-        now_running(scenario.__name__)
-        finished = False
-        try:  # an exception reaches the parent with its traceback through torch.multiprocessing
-            result = scenario(*args, **kwargs)
-            check_thread_count(f"{scenario.__name__} on rank {rank}")
-            torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-            finished = True
-        finally:
-            # after a failure the other ranks may never reach a barrier: only tear down, the process ends anyway
-            destroy_parallel_state(synchronize=finished)
-            torch.distributed.destroy_process_group()
+    torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
+    finished = False
+    try:  # an exception reaches the parent with its traceback through torch.multiprocessing
+        result = scenario(*args, **kwargs)
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+        finished = True
+    finally:
+        # after a failure the other ranks may never reach a barrier: only tear down, the process ends anyway
+        destroy_parallel_state(synchronize=finished)
+        torch.distributed.destroy_process_group()
 
 
 def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Every case (with a `label`) in one group of forked ranks, in turn: {label: [each rank's report]}.
-
-    megatron-core is imported here first, once for all ranks. After each case a rank collects its garbage
-    and checks its thread count (see check_thread_count).
-    """
+    """Every case (with a `label`) in ranks of its own, forked afresh, as a run starts its processes:
+    {label: [each rank's report]}. megatron-core is imported here first, once, so that the forks start at once.
+    `timeout`: seconds for each case."""
     preload_megatron()
-    results = spawn(_run_cases_on_rank, world_size, run_case, cases, timeout=timeout, start_method="fork")
-    return {case.label: [r[case.label] for r in results] for case in cases}
-
-
-def _run_cases_on_rank(run_case: Callable, cases: list) -> dict:
-    reports = {}
-    for case in cases:
-        now_running(f"case {case.label!r}")
-        reports[case.label] = run_case(case)
-        gc.collect()  # what the case left in reference cycles goes now; what holds threads after that leaks
-        check_thread_count(f"case {case.label!r} on rank {torch.distributed.get_rank()}")
-    return reports
+    return {case.label: spawn(run_case, world_size, case, timeout=timeout, start_method="fork") for case in cases}
 
 
 def merge_by_dp_rank(results: list[dict]) -> dict[int, dict]:

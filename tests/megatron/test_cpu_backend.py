@@ -13,7 +13,6 @@ import types
 import pytest
 import torch
 
-from tests.markers import marks_tests
 from tests.megatron import harness, process_groups
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -61,7 +60,6 @@ def _one_rank_group_count() -> int:
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def core_runs() -> list[dict]:
     if torch.cuda.is_available():
         pytest.skip("the CPU backend refuses CUDA machines")
@@ -75,6 +73,7 @@ def layouts(core_runs) -> dict[str, dict[int, dict]]:
     return {name: harness.merge_by_dp_rank([ranks[name] for ranks in per_rank]) for name in per_rank[0]}
 
 
+@pytest.mark.exactness
 def test_every_layout_leaves_only_its_own_process_groups_and_their_threads(core_runs):
     """megatron's destroy_model_parallel only drops references: without the harness destroying the groups
     each layout would add its gloo groups (10 to 18, three threads each) to the rank: 9 layouts, ~400 threads."""

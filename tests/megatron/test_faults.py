@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.megatron.pretrain_driver import REPO, free_port, launch_environment, torchrun_command
+from tests.launching import REPO, free_port, launch_environment, torchrun_command
 
 TINY = ("--zero-bubble-cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --tokenizer-type NullTokenizer "

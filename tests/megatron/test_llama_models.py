@@ -24,7 +24,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -126,7 +125,6 @@ def _linear_weights(chunks, named: dict) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=900)
 
@@ -135,6 +133,7 @@ def _pairs(prefix: str, schedules) -> list[tuple[str, str]]:
     return [(f"{prefix}/{s}", f"{prefix}/megatron") for s in schedules]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("label", [c.label for c in CASES if c.schedule not in (None, "1f1b")])
 def test_every_linear_weight_has_its_gradient_deferred_to_a_w_pass(reports, label):
     """What makes the comparisons above worth anything: the zero-bubble runs split every linear layer's backward
@@ -146,6 +145,7 @@ def test_every_linear_weight_has_its_gradient_deferred_to_a_w_pass(reports, labe
     assert any(output_layer & report["linear"] for report in reports[label])  # held by the rank that ends the model
 
 
+@pytest.mark.exactness
 def test_megatrons_own_schedule_defers_no_weight_gradient(reports):
     for label in (c.label for c in CASES if c.schedule is None):
         assert not any(report["deferred"] for report in reports[label]), label
@@ -155,12 +155,14 @@ def test_megatrons_own_schedule_defers_no_weight_gradient(reports):
     *_pairs("pp4", ("1f1b",) + ZB_SCHEDULES), *_pairs("pp4vpp2", ("zb-auto",)),
     *_pairs("tp2xpp2", ("zb-h1", "zb-auto")), *_pairs("tp2xpp2/sp", ("zb-auto",)), *_pairs("mtp/pp4vpp2", ("zb-auto",)),
 ])
+@pytest.mark.exactness
 def test_llama_losses_gradients_and_adam_steps_are_bit_identical_to_megatron(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
 
 
 @pytest.mark.parametrize("label, reference, replicas", [("pp4/zb-v", "pp1/megatron", [0]),
                                                         ("pp2xdp2/zb-v", "pp1/megatron/4", [0, 1])])
+@pytest.mark.exactness
 def test_llama_under_zb_v_is_bit_identical_to_a_single_stage_run(reports, label, reference, replicas):
     harness.assert_identical(reports[label], reports[reference], replicas=replicas)
 
@@ -168,11 +170,13 @@ def test_llama_under_zb_v_is_bit_identical_to_a_single_stage_run(reports, label,
 @pytest.mark.parametrize("label, reference", [("pp4/zb-h1/post-validation", "pp4/megatron/clip"),
                                               ("pp4/zb-auto/post-validation", "pp4/megatron/clip"),
                                               ("pp4/zb-v/post-validation", "pp4/zb-v/clip")])
+@pytest.mark.exactness
 def test_llama_with_optimizer_post_validation_is_bit_identical_to_the_synchronous_step(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
     assert sum(r["rollbacks"] for r in reports[label]) > 0  # clipped steps taken on partial sums were rolled back
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_llama_with_the_distributed_optimizer_and_overlapped_reduction_and_gathers_is_bit_identical(reports, schedule):
     prefix = "pp2xdp2/distributed/overlap"
@@ -185,10 +189,12 @@ def test_llama_with_the_distributed_optimizer_and_overlapped_reduction_and_gathe
     *_pairs("mixtral/pp4", ("zb-h1", "zb-auto")), *_pairs("mixtral/pp2xep2", ("zb-h1", "zb-auto")),
     *_pairs("qwen-moe/pp4", ("zb-h1", "zb-auto")),
 ])
+@pytest.mark.exactness
 def test_mixtral_and_qwen_style_moe_is_bit_identical_to_megatron(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("schedule", ("zb-h1", "zb-auto"))
 def test_further_model_options_are_bit_identical_to_megatron(reports, option, schedule):
@@ -199,6 +205,7 @@ def _shapes(reports, label) -> dict:
     return {name: shape for report in reports[label] for name, shape in report["shapes"].items()}
 
 
+@pytest.mark.exactness
 def test_the_llama_model_is_what_it_claims(reports):
     """No biases, RMSNorm (a scale, no bias), SwiGLU (fc1 holds the gate and the up projection), grouped-query
     attention (queries of 4 heads, keys and values of 2 groups), rotary positions (no position embedding), untied."""
@@ -214,6 +221,7 @@ def test_the_llama_model_is_what_it_claims(reports):
     assert "output_layer.weight" not in tied and tied.keys() == shapes.keys() - {"output_layer.weight"}
 
 
+@pytest.mark.exactness
 def test_the_moe_models_are_what_they_claim(reports):
     mixtral, qwen, freq = (_shapes(reports, f"{label}/pp4/megatron")
                            for label in ("mixtral", "qwen-moe", "moe-layer-freq"))
@@ -225,6 +233,7 @@ def test_the_moe_models_are_what_they_claim(reports):
     assert freq["decoder.layers.1.mlp.linear_fc1.weight"] == (2 * 128, 64)
 
 
+@pytest.mark.exactness
 def test_the_multi_token_prediction_layer_is_on_the_last_stage_and_trains(reports):
     """Its own transformer layer and projection (eh_proj), on the last stage; its loss adds to the gradients (the grad
     norm differs from the same model's without it)."""
@@ -236,6 +245,7 @@ def test_the_multi_token_prediction_layer_is_on_the_last_stage_and_trains(report
     assert by_stage[3]["grad_norms"] != plain["grad_norms"]
 
 
+@pytest.mark.exactness
 def test_queries_and_keys_are_normed_and_rope_turns_half_of_each_head(reports):
     shapes = _shapes(reports, "qk-layernorm/pp4/megatron")
     assert shapes["decoder.layers.0.self_attention.q_layernorm.weight"] == (16,)

@@ -16,7 +16,6 @@ import dataclasses
 import pytest
 import torch
 
-from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -75,7 +74,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
@@ -84,21 +82,25 @@ def _expert_weights(report) -> set:
     return {name for name in report["grads"] if ".mlp.experts." in name and name.endswith("weight")}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", ["pp4", "pp2xep2"])
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_moe_losses_gradients_and_adam_steps_are_bit_identical_to_megatron_1f1b(reports, layout, schedule):
     harness.assert_identical(reports[f"moe/{layout}/{schedule}"], reports[f"moe/{layout}/megatron"])
 
 
+@pytest.mark.exactness
 def test_moe_under_1f1b_through_the_runtime_is_bit_identical_to_megatrons_own(reports):
     harness.assert_identical(reports["moe/pp4/1f1b"], reports["moe/pp4/megatron"])
     assert not any(report["deferred"] for report in reports["moe/pp4/1f1b"])  # 1F1B runs BW: nothing deferred
 
 
+@pytest.mark.exactness
 def test_moe_with_the_allgather_dispatcher_is_bit_identical_to_megatron_1f1b(reports):
     harness.assert_identical(reports["moe-allgather/pp2xep2/zb-h1"], reports["moe-allgather/pp2xep2/megatron"])
 
 
+@pytest.mark.exactness
 def test_expert_parallel_ranks_hold_different_experts_under_global_names(reports):
     merged = harness.merge_by_dp_rank(reports["moe/pp2xep2/megatron"])
     experts = [_expert_weights(merged[dp]) for dp in (0, 1)]
@@ -106,6 +108,7 @@ def test_expert_parallel_ranks_hold_different_experts_under_global_names(reports
     assert len(experts[0] | experts[1]) == 4 * 4 * 2  # 4 layers x 4 experts x (fc1, fc2)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("label", ["moe/pp4/zb-h1", "moe/pp2xep2/zb-auto", "moe/pp2xdp2/zb-v"])
 def test_the_expert_linears_weight_gradients_are_deferred_to_w_and_the_router_stays_in_b(reports, label):
     for report in reports[label]:
@@ -114,6 +117,7 @@ def test_the_expert_linears_weight_gradients_are_deferred_to_w_and_the_router_st
         assert not any(".router." in name for name in report["deferred"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("label", [f"moe/{layout}/{s}" for layout in ("pp4", "pp2xep2") for s in ZB_SCHEDULES])
 def test_per_layer_moe_metrics_equal_those_under_megatron_1f1b(reports, label):
     reference = {(r["dp_rank"], r["pp_rank"]): r["moe_metric"] for r in reports[label.rsplit("/", 1)[0] + "/megatron"]}
@@ -123,6 +127,7 @@ def test_per_layer_moe_metrics_equal_those_under_megatron_1f1b(reports, label):
         assert torch.equal(report["moe_metric"], expected)
 
 
+@pytest.mark.exactness
 def test_moe_zb_v_is_bit_identical_to_a_single_stage_run(reports):
     harness.assert_identical(reports["moe/pp2xdp2/zb-v"], reports["moe/pp1"], replicas=[0, 1])
     metrics = {r["pp_rank"]: r["moe_metric"] for r in reports["moe/pp2xdp2/zb-v"] if r["dp_rank"] == 0}
@@ -130,15 +135,18 @@ def test_moe_zb_v_is_bit_identical_to_a_single_stage_run(reports):
     assert torch.equal(metrics[0] + metrics[1], reference)  # each layer's loss recorded once, on its rank
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-auto"])
 def test_sequence_parallel_tp2_pp2_is_bit_identical_to_megatron_1f1b(reports, schedule):
     harness.assert_identical(reports[f"sp/tp2xpp2/{schedule}"], reports["sp/tp2xpp2/megatron"])
 
 
+@pytest.mark.exactness
 def test_moe_with_sequence_parallel_tp2_pp2_is_bit_identical_to_megatron_1f1b(reports):
     harness.assert_identical(reports["moe-sp/tp2xpp2/zb-h1"], reports["moe-sp/tp2xpp2/megatron"])
 
 
+@pytest.mark.exactness
 def test_sequence_parallel_trains_the_same_model_as_without_it(reports):
     """The CPU norm under sequence parallelism: its weight and bias gradients are summed over the TP ranks
     (marked as megatron's fused norms mark them), so SP computes what TP alone computes, up to rounding (the

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from megatron.zero_bubble.schedules.planners import layout_of
-from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -201,7 +200,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=900)
 
@@ -220,12 +218,14 @@ def _max_ulps(ours, reference) -> float:
     return max(_ulps_at_scale(ours[dp]["params"][n], p) for dp in reference for n, p in reference[dp]["params"].items())
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("layout", ["pp4", "pp2", "tp2xpp2"])
 def test_without_inf_or_clipping_parameters_are_bit_identical_to_the_synchronous_step(reports, layout):
     harness.assert_identical(reports[f"{layout}/pv"], reports[f"{layout}/sync"])
     assert all(r["rollbacks"] == 0 for r in reports[f"{layout}/pv"])
 
 
+@pytest.mark.exactness
 def test_with_the_distributed_optimizer_an_injected_inf_skips_the_step_everywhere(reports):
     """The inf is on stage 1 of PP=2 x DP=2: stage 0 had stepped its shards and gathered them, undoes that
     (restore, gather again), and the parameters equal the synchronous run that skipped the step."""
@@ -233,6 +233,7 @@ def test_with_the_distributed_optimizer_an_injected_inf_skips_the_step_everywher
     assert sorted(r["rollbacks"] for r in reports["pp2/distributed/pv/inf"]) == [0, 0, 1, 1]
 
 
+@pytest.mark.exactness
 def test_an_injected_inf_skips_the_step_on_every_stage_with_exact_rollback(reports):
     harness.assert_identical(reports["pp4/pv/inf/exact"], reports["pp4/sync/inf"])
     by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/inf/exact"]}
@@ -242,6 +243,7 @@ def test_an_injected_inf_skips_the_step_on_every_stage_with_exact_rollback(repor
     assert verdicts == [False, False, True, False, False, False]
 
 
+@pytest.mark.exactness
 def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ulps = _max_ulps(reports["pp4/pv/inf/3"], reports["pp4/sync/inf/3"])
     print(f"\npp4 inf at iteration 3 of 3, Adam step undone in place: max {ulps:.2f} ulps (at each tensor's scale)")
@@ -259,6 +261,7 @@ def test_an_adam_step_undone_by_the_in_place_inverse_is_within_an_ulp(reports):
     ("pp4/zb-v/pv/clip/exact/per-token", "pp4/zb-v/sync/clip/per-token"),
     ("pp4/overlap/pv/clip/exact", "pp4/overlap/sync/clip"),
 ])
+@pytest.mark.exactness
 def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
     for r in reports[label]:
@@ -269,6 +272,7 @@ def test_clipping_with_exact_rollback_is_bit_identical_including_replayed_losses
     assert sum(r["rollbacks"] for r in reports[label]) > 0  # on ranks that stepped on partial sums
 
 
+@pytest.mark.exactness
 def test_clipping_with_the_in_place_inverse_stays_within_a_few_ulps_after_ten_sgd_iterations(reports):
     ulps = _max_ulps(reports["pp4/pv/clip/sgd"], reports["pp4/sync/clip/sgd"])
     print(f"\npp4 clipped SGD steps, in-place inverse: max {ulps:.2f} ulps (at each tensor's scale) after 10 iterations")
@@ -276,6 +280,7 @@ def test_clipping_with_the_in_place_inverse_stays_within_a_few_ulps_after_ten_sg
     assert sum(r["rollbacks"] for r in reports["pp4/pv/clip/sgd"]) > 0
 
 
+@pytest.mark.exactness
 def test_clipping_with_the_in_place_inverse_under_adam_is_reported_after_ten_iterations(reports):
     """Adam amplifies last-bit differences (elements whose m crosses 0 change their update sign): the inverse's
     ulp grows in later steps as any perturbation would. Reported; the losses stay equal to 6 digits."""
@@ -287,6 +292,7 @@ def test_clipping_with_the_in_place_inverse_under_adam_is_reported_after_ten_ite
     assert ours.keys() == reference.keys() and worst < 1e-6
 
 
+@pytest.mark.exactness
 def test_no_collective_spans_more_than_one_pipeline_stage_during_the_iteration_and_the_step(reports):
     for label in ("pp4/pv", "pp4/pv/clip", "tp2xpp2/pv", "pp2/pv", "pp2/distributed/pv/clip/exact",
                   "pp4/pv/clip/exact/per-token", "pp2/pv/clip/exact/per-token", "pp4/zb-v/pv/clip/exact/per-token"):
@@ -302,6 +308,7 @@ def test_no_collective_spans_more_than_one_pipeline_stage_during_the_iteration_a
     assert any(name == "broadcast" for name, _ in reports["pp4/sync/clip/per-token"][0]["collectives"])
 
 
+@pytest.mark.exactness
 def test_per_token_loss_under_data_parallelism_sums_replicas_that_count_different_tokens(reports):
     """The replicas see different microbatches with different token counts (the mask drops labels divisible by 5),
     so each stage's division needs the sum over the replicas; each replica's losses equal megatron's."""
@@ -310,6 +317,7 @@ def test_per_token_loss_under_data_parallelism_sums_replicas_that_count_differen
     assert all(ours[dp]["losses"] == reference[dp]["losses"] for dp in (0, 1))
 
 
+@pytest.mark.exactness
 def test_tied_embedding_copies_stay_identical_through_in_place_rollbacks(reports):
     """Stage 0's word embedding is undone (exactly) and re-stepped; the last stage's tied copy steps once."""
     by_stage = {r["pp_rank"]: r for r in reports["pp4/pv/clip/tied"]}
@@ -317,6 +325,7 @@ def test_tied_embedding_copies_stay_identical_through_in_place_rollbacks(reports
     assert torch.equal(by_stage[0]["tied"], by_stage[3]["tied"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("label", list(MOE_CASES))
 def test_moe_with_clipping_and_exact_rollback_is_bit_identical_including_router_state(reports, label):
     """With expert parallelism megatron norms the dense and the expert gradients over different groups (dense:

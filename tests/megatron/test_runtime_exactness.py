@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from tests.markers import marks_tests
 from tests.megatron import harness
 from tests.megatron.harness import Layout, ModelSpec
 
@@ -147,25 +146,28 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def reports():
     return harness.run_cases(_run_case, CASES, 4, timeout=600)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ("1f1b",) + ZB_SCHEDULES)
 def test_pp4_gradients_and_losses_are_bit_identical_to_megatron_1f1b(reports, schedule):
     harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp4/megatron"])
 
 
+@pytest.mark.exactness
 def test_fewer_microbatches_than_stages_is_bit_identical(reports):
     harness.assert_identical(reports["pp4/zb-h1/m3"], reports["pp4/megatron/m3"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_dp2_pp2_with_megatron_ddp_and_three_adam_steps_is_bit_identical(reports, schedule):
     harness.assert_identical(reports[f"pp2xdp2/{schedule}"], reports["pp2xdp2/megatron"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_tp2_pp2_is_bit_identical(reports, schedule):
     harness.assert_identical(reports[f"tp2xpp2/{schedule}"], reports["tp2xpp2/megatron"])
@@ -174,6 +176,7 @@ def test_tp2_pp2_is_bit_identical(reports, schedule):
 @pytest.mark.parametrize(
     "label", [f"pp4/{s}" for s in ("1f1b",) + ZB_SCHEDULES + V_SCHEDULES] + ["pp4/zb-h1/m3", "tp2xpp2/zb-h2", "pp2xdp2/zb-v"]
 )
+@pytest.mark.exactness
 def test_measured_peak_activations_equal_the_planners_prediction(reports, label):
     from megatron.zero_bubble.schedules import Costs
     from megatron.zero_bubble.schedules.memory import memory_profile
@@ -191,15 +194,18 @@ def test_measured_peak_activations_equal_the_planners_prediction(reports, label)
             assert stats.peak_wgrad_bytes > 0  # W work was actually held back
 
 
+@pytest.mark.exactness
 def test_linear_patch_without_a_zero_bubble_schedule_changes_nothing(reports):
     harness.assert_identical(reports["pp4/megatron+patch"], reports["pp4/megatron"])
 
 
+@pytest.mark.exactness
 def test_forward_only_evaluation_gives_megatrons_losses(reports):
     ours, reference = (harness.merge_by_dp_rank(reports[label]) for label in ("pp4/zb-h2/eval", "pp4/megatron/eval"))
     assert ours[0]["losses"] == reference[0]["losses"] and len(reference[0]["losses"]) == 8
 
 
+@pytest.mark.exactness
 def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(reports):
     harness.assert_identical(reports["pp4vpp2/interleaved-1f1b"], reports["pp4vpp2/megatron"])
 
@@ -207,6 +213,7 @@ def test_interleaved_1f1b_through_the_runtime_is_bit_identical_to_megatrons(repo
 @pytest.mark.parametrize("label, reference", [("pp4vpp2/zb-auto", "pp4vpp2/megatron"),
                                               ("pp4vpp4/zb-auto", "pp4vpp4/megatron"),
                                               ("pp2xdp2vpp2/zb-auto/overlap", "pp2xdp2vpp2/megatron/overlap")])
+@pytest.mark.exactness
 def test_interleaved_zb_auto_is_bit_identical_to_megatrons_interleaved_1f1b(reports, label, reference):
     """Losses, gradients and (with DP=2, overlapped reduction and three Adam steps) parameters: zb-auto's plan over
     v chunks per rank splits every backward into B and W and reorders them, the numbers stay megatron's."""
@@ -216,26 +223,31 @@ def test_interleaved_zb_auto_is_bit_identical_to_megatrons_interleaved_1f1b(repo
     harness.assert_identical(reports[label], reports[reference])
 
 
+@pytest.mark.exactness
 def test_zb_v_with_two_ranks_is_bit_identical_to_a_single_stage_run(reports):
     harness.assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0, 1])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedules_on_four_ranks_are_bit_identical_to_a_single_stage_run(reports, schedule):
     harness.assert_identical(reports[f"pp4/{schedule}"], reports["pp1/megatron/8"], replicas=[0])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ("megatron",) + ZB_SCHEDULES)
 def test_overlapped_gradient_reduction_is_bit_identical_to_megatrons(reports, schedule):
     harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron/overlap"])
     harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap"], reports["pp2xdp2/megatron"])  # overlap changes nothing
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ("zb-h1", "zb-auto"))
 def test_overlapped_reduction_and_parameter_gathers_with_the_distributed_optimizer_are_bit_identical(reports, schedule):
     harness.assert_identical(reports[f"pp2xdp2/{schedule}/overlap/distributed"], reports["pp2xdp2/megatron/overlap/distributed"])
 
 
+@pytest.mark.exactness
 def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(reports):
     """Three Adam steps without clipping: megatron's grad norm adds one partial norm per pipeline rank, so a clip
     coefficient of PP=2 and one of PP=1 can differ in the last bit whatever the schedule (megatron's own 1F1B
@@ -243,6 +255,7 @@ def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(r
     harness.assert_identical(reports["pp2xdp2/zb-v/overlap"], reports["pp1/megatron/adam"], replicas=[0, 1])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("schedule", ("zb-auto", "zb-v"))
 def test_plans_on_other_costs_give_bit_identical_losses_gradients_and_parameters(reports, schedule):
     """Two Adam steps with clipping, once planned on unit costs and once on skewed ones: the pass orders differ,
@@ -252,6 +265,7 @@ def test_plans_on_other_costs_give_bit_identical_losses_gradients_and_parameters
     harness.assert_identical(reports[f"pp4/{schedule}/adam/skewed"], reports[f"pp4/{schedule}/adam"])
 
 
+@pytest.mark.exactness
 def test_zb_v_with_the_distributed_optimizer_starts_each_chunks_parameter_gathers_and_keeps_the_parameters(reports):
     """Two chunks per rank: megatron.training hands the schedule one param_sync_func per chunk (aligned gathers),
     which the executor calls as an iteration begins. Parameters and losses as without the distributed optimizer
@@ -264,6 +278,7 @@ def test_zb_v_with_the_distributed_optimizer_starts_each_chunks_parameter_gather
 @pytest.mark.parametrize("label", [f"pp2xdp2/{s}/overlap" for s in ZB_SCHEDULES + ("zb-v",)]
                          + [f"pp2xdp2/{s}/overlap/distributed" for s in ("zb-h1", "zb-auto")]
                          + ["pp2xdp2vpp2/zb-auto/overlap"])
+@pytest.mark.exactness
 def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(reports, label):
     """In an iteration after the first (megatron learns each bucket's parameters in the first): every bucket
     group's reduction starts exactly once, and the first one before the rank's last W pass ended (it fails if
@@ -284,6 +299,7 @@ def test_each_bucket_is_reduced_once_and_the_first_while_w_passes_still_run(repo
             assert first_reduction < before_last_w, (report["pp_rank"], events)
 
 
+@pytest.mark.exactness
 def test_the_overlap_test_sees_reductions_that_start_before_the_last_w_pass_begins(reports):
     """zb-auto runs two W passes after the last B on the first stage and four on the second (the layer-by-layer
     tail), so the stronger check of the test above runs on both."""
@@ -292,6 +308,7 @@ def test_the_overlap_test_sees_reductions_that_start_before_the_last_w_pass_begi
         assert kinds[-3:] == ["B", "W", "W"] if report["pp_rank"] == 0 else kinds[-5:] == ["B", "W", "W", "W", "W"]
 
 
+@pytest.mark.exactness
 def test_megatron_alone_buckets_only_the_first_stage(reports):
     """What patches/ddp_bucketing.py changes: without it (megatron's own schedule) the second stage reduces in
     one bucket."""
@@ -299,6 +316,7 @@ def test_megatron_alone_buckets_only_the_first_stage(reports):
     assert buckets[0] > 2 and buckets[1] == 1
 
 
+@pytest.mark.exactness
 def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):
     """Rank 0's forwards take 0.2 s longer, so rank 1 waits about that long for each activation: the time the
     executor reports for rank 1's passes (what re-planning plans on) is its compute, not that wait. Medians of the

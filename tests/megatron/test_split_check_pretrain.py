@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.markers import starts_in_background
-from tests.megatron.pretrain_driver import Background, torchrun_command
+from tests.launching import torchrun
 
 TINY = ("--zero-bubble-cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
         "--micro-batch-size 2 --global-batch-size 8 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
@@ -15,24 +14,9 @@ TINY = ("--zero-bubble-cpu --num-layers 4 --hidden-size 64 --num-attention-heads
         "--pipeline-model-parallel-size 2 --pipeline-schedule zb-h1").split()
 
 
-_STARTED: dict = {}
-
-
-def _start_wrong_w(tmp_path_factory) -> list[Background]:
-    """The launch, started once (by conftest.py as soon as the tests are collected: it runs beside them)."""
-    if "wrong W" not in _STARTED:
-        work = str(tmp_path_factory.mktemp("split_check_wrong_w"))
-        _STARTED["wrong W"] = Background("wrong-w", torchrun_command(2, ["tests/megatron/split_check_wrong_w_driver.py",
-                                                                         *TINY]), work, timeout=300)
-    return [_STARTED["wrong W"]]
-
-
 @pytest.fixture(scope="module")
-@starts_in_background(_start_wrong_w)
-def wrong_w_run(tmp_path_factory):
-    (launch,) = _start_wrong_w(tmp_path_factory)
-    yield launch.result()
-    _STARTED.pop("wrong W").stop()
+def wrong_w_run():
+    return torchrun(2, ["tests/megatron/split_check_wrong_w_driver.py", *TINY], timeout=300)
 
 
 @pytest.mark.slow

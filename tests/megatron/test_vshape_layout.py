@@ -17,7 +17,6 @@ from megatron.zero_bubble.patches import PatchError
 from megatron.zero_bubble.patches.vshape_layout import v_embedding_ranks, v_layer_range
 from megatron.zero_bubble.schedules.schedule import virtual_stage
 from megatron.zero_bubble.training.init_weights import unwrap
-from tests.markers import marks_tests
 from tests.megatron import harness
 
 # Tied embeddings: two copies accumulate their microbatches apart and are summed once, PP=1 sums per
@@ -266,7 +265,6 @@ def _v_scenario(stages: int, spec) -> dict:
 
 
 @pytest.fixture(scope="module", params=(2, 4), ids=("pp2", "pp4"))
-@marks_tests(pytest.mark.exactness)
 def v_run(request):
     stages = request.param
     spec = harness.ModelSpec(num_layers=2 * stages)
@@ -274,6 +272,7 @@ def v_run(request):
     return stages, spec, harness.spawn(_v_scenario, stages, stages, spec, timeout=600, start_method="fork")
 
 
+@pytest.mark.exactness
 def test_install_replaces_every_binding_and_uninstall_restores_them_exactly(v_run):
     _, _, reports = v_run
     for report in reports:
@@ -300,6 +299,7 @@ def test_install_replaces_every_binding_and_uninstall_restores_them_exactly(v_ru
         assert report["late_install_left_nothing"]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("tied", (False, True), ids=("untied", "tied"))
 def test_each_chunk_holds_its_v_layers_and_only_rank0_holds_the_ends(v_run, tied):
     stages, spec, reports = v_run
@@ -315,6 +315,7 @@ def test_each_chunk_holds_its_v_layers_and_only_rank0_holds_the_ends(v_run, tied
     assert [r[tied]["tied_copy"] for r in reports] == [tied] + [False] * (stages - 1)
 
 
+@pytest.mark.exactness
 def test_parameter_names_cover_the_pp1_model_exactly_once(v_run):
     _, _, reports = v_run
     names = [name for report in reports for chunk in report[False]["chunks"] for name in chunk["names"]]
@@ -324,6 +325,7 @@ def test_parameter_names_cover_the_pp1_model_exactly_once(v_run):
     assert sorted(tied_names) == sorted(reports[0][True]["reference"]["names"] + ["embedding.word_embeddings.weight"])
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("tied", (False, True), ids=("untied", "tied"))
 def test_v_order_forward_backward_matches_pp1_bit_for_bit(v_run, tied):
     _, _, reports = v_run
@@ -344,6 +346,7 @@ def test_v_order_forward_backward_matches_pp1_bit_for_bit(v_run, tied):
     assert differing == {}
 
 
+@pytest.mark.exactness
 def test_bf16_wrapper_upcasts_only_the_v_last_stage(v_run):
     stages, _, reports = v_run
     for report in reports:
@@ -351,6 +354,7 @@ def test_bf16_wrapper_upcasts_only_the_v_last_stage(v_run):
         assert report["bf16_output_dtypes"] == want, report["rank"]
 
 
+@pytest.mark.exactness
 def test_layer_counts_that_do_not_split_into_2p_chunks_are_refused_when_building(v_run):
     stages, _, reports = v_run
     layers, chunks = 2 * stages + 2, 2 * stages

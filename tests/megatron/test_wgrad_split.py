@@ -24,7 +24,6 @@ from megatron.zero_bubble.patches._patching import PatchError  # noqa: E402
 from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
-from tests.markers import marks_tests  # noqa: E402
 from tests.megatron.harness import free_port  # noqa: E402
 
 SEQ, BATCH, HIDDEN, FFN = 6, 2, 8, 12
@@ -502,7 +501,6 @@ def _all_spawned_cases() -> dict:
 
 
 @pytest.fixture(scope="module")
-@marks_tests(pytest.mark.exactness)
 def spawned():
     from tests.megatron import harness
 
@@ -510,6 +508,7 @@ def spawned():
     return harness.spawn(_all_spawned_cases, 2, timeout=600, start_method="fork")
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("kind,bias", CASES)
 @pytest.mark.parametrize("sp", (False, True), ids=("tp2", "tp2-sequence-parallel"))
 def test_tp2_split_matches_megatron_bit_for_bit_with_its_collectives(spawned, kind, bias, sp):
@@ -517,6 +516,7 @@ def test_tp2_split_matches_megatron_bit_for_bit_with_its_collectives(spawned, ki
         assert rank["layers"][(kind, bias, sp)] == {"mismatches": [], "pending_bytes": 0}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("label", list(GPT_CASES))
 def test_tiny_gpt_split_gradients_are_bit_identical_to_megatron(spawned, label):
     for rank in spawned:

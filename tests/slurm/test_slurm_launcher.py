@@ -6,7 +6,6 @@ job's output. They skip, saying why, where the machine cannot run SLURM (not roo
 cluster that does not start fails them, with the script's output.
 """
 import dataclasses
-import json
 import os
 import re
 import shlex
@@ -19,11 +18,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:  # run as a script (ClusterLaunch)
-    sys.path.insert(0, str(REPO))
-
-from tests.markers import starts_in_background  # noqa: E402
-from tests.megatron.pretrain_driver import Background  # noqa: E402
 
 SBATCH_SCRIPT = REPO / "scripts" / "slurm" / "pretrain_gpt.sbatch"
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm" / "local_cluster.sh"
@@ -233,64 +227,19 @@ def wait_job(job: Job, timeout_s: float) -> tuple:
     return state["JobState"], state.get("ExitCode"), job.output.read_text() if job.output.exists() else ""
 
 
-class ClusterLaunch:
-    """This file run as a script (`start WORK`) in the background: it starts the cluster and submits both jobs, and
-    writes what came of it to WORK/launch.json; stop() stops the cluster (whatever the script got to)."""
-
-    def __init__(self, work: Path):
-        self.work, self.stopped = work, False
-        self.launch = Background("slurm", [sys.executable, __file__, "start", str(work)], str(work), timeout=400)
-
-    def result(self) -> tuple[Cluster, dict[str, Job]]:
-        done = self.launch.result()
-        path = self.work / "launch.json"
-        if done.returncode != 0 or not path.exists():
-            return Cluster({}, f"starting the cluster and submitting the jobs failed (exit {done.returncode}):\n"
-                               f"{done.stdout[-800:]}\n{done.stderr[-1600:]}"), {}
-        found = json.loads(path.read_text())
-        jobs = {name: Job(**{**job, "output": Path(job["output"]), "work": Path(job["work"])})
-                for name, job in found["jobs"].items()}
-        return Cluster(**found["cluster"]), jobs
-
-    def stop(self) -> None:
-        if not self.stopped:  # the module's end stops it, and the session's end stops every launch
-            self.stopped = True
-            self.launch.stop()
-            subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
-
-
-def _start_in_background_script(work: Path) -> None:
-    cluster = start_cluster()
-    jobs = {} if cluster.failure else submit_both_jobs(cluster, work)
-    found = {"cluster": dataclasses.asdict(cluster),
-             "jobs": {name: dataclasses.asdict(job) for name, job in jobs.items()}}
-    (work / "launch.json").write_text(json.dumps(found, default=str))  # paths as strings
-
-
-_STARTED: dict = {}
-
-
-def _start_cluster_and_jobs(tmp_path_factory) -> list[ClusterLaunch]:
-    """The cluster and both jobs, started once (by conftest.py as soon as the tests are collected: they run beside
-    the other tests); nothing where this machine cannot run SLURM (the tests skip)."""
-    if "cluster" not in _STARTED and not cannot_run_slurm():
-        _STARTED["cluster"] = ClusterLaunch(tmp_path_factory.mktemp("slurm"))
-    return [_STARTED["cluster"]] if "cluster" in _STARTED else []
-
-
 @pytest.fixture(scope="module")
-@starts_in_background(_start_cluster_and_jobs)
 def jobs(tmp_path_factory) -> tuple[Cluster, dict[str, Job]]:
     """The cluster and both jobs on it (a cluster that does not start fails each test, with the script's output);
     the cluster is stopped afterwards, whatever happened."""
     reason = cannot_run_slurm()
     if reason:
         pytest.skip(reason)
-    (launch,) = _start_cluster_and_jobs(tmp_path_factory)
+    work = tmp_path_factory.mktemp("slurm")
     try:
-        yield launch.result()
+        cluster = start_cluster()
+        yield cluster, ({} if cluster.failure else submit_both_jobs(cluster, work))
     finally:
-        _STARTED.pop("cluster").stop()
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
 
 
 def _job(jobs: tuple[Cluster, dict[str, Job]], name: str) -> Job:
@@ -327,6 +276,3 @@ def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(jobs):
     assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output + printed
     assert all(0 < float(loss) < 10 for _, loss in iterations)  # ln(128) = 4.85 at the start
 
-
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "start":
-    _start_in_background_script(Path(sys.argv[2]))

@@ -1,0 +1,37 @@
+"""Starting the product as users start it, from the tests: free ports, the environment, torchrun.
+
+    REPO, free_port(), launch_environment(), torchrun_command(nproc, args), torchrun(nproc, args, timeout)
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_environment(**extra: str) -> dict:
+    """This checkout first on the path, one intra-op thread per process (ranks share the cores), CPU only."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(extra)
+    return env
+
+
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(free_port()), *args]
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc ARGS...` in the repository, to its end (stdout and stderr captured)."""
+    return subprocess.run(torchrun_command(nproc, args), cwd=REPO, env=launch_environment(**env),
+                          capture_output=True, text=True, timeout=timeout)
