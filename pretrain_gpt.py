@@ -41,8 +41,15 @@ from megatron.zero_bubble.training.init_weights import init_weights_by_global_na
 # ---------------------------------------------------------------- model
 
 
-def layer_spec(args):
-    """Megatron's local layer spec; Transformer Engine's when it is asked for (and installed)."""
+def layer_spec(args, config, vp_stage=None):
+    """Megatron's local layer spec; Transformer Engine's when it is asked for (and installed). With experts,
+    megatron's block spec of this stage's layers, so that --moe-layer-freq decides which layers are dense."""
+    if args.num_experts:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
+                                          normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                          vp_stage=vp_stage)
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -62,7 +69,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     config = config if config is not None else core_transformer_config_from_args(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(args),
+        transformer_layer_spec=layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
