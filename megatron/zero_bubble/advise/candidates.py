@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ..schedules.planners import schedule_kind
 from ..schedules.vbudget import mem_setup_limit
-from ..training.checks import check_flags
+from ..training.checks import RUNTIME_ONLY_FLAGS, check_flags
 from ..training.flags import StartupRefusal
 from .run import Run
 
@@ -23,6 +24,11 @@ SCHEDULE_FLAGS = {"--pipeline-schedule": 1, "--enable-zero-bubble": 0, "--zero-b
                   "--enable-zbh1-pipeline": 0, "--enable-zbh1-exact-semantics": 0, "--enable-zb-runtime": 0,
                   "--zero-bubble-max-pending-backward": 1, "--zero-bubble-v-schedule-mem-setup": 1}
 CHUNK_FLAGS = {"--num-virtual-stages-per-pipeline-rank": 1, "--num-layers-per-virtual-pipeline-stage": 1}
+# What only the zero-bubble runtime reads: dropped for megatron's own schedules (training refuses them there)
+RUNTIME_FLAGS = {**{"--" + name.replace("_", "-"): 1 for name in RUNTIME_ONLY_FLAGS},
+                 "--enable-optimizer-post-validation": 0, "--zero-bubble-exact-rollback": 0,
+                 "--enable-exactly-numeric-match": 0, "--no-zero-bubble-split-check": 0}
+ILP_FLAGS = {"--zero-bubble-ilp-time-limit": 1}  # dropped where the planner has no ILP
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,7 @@ def _split(words: list[str], flags: dict[str, int]) -> tuple[list[str], list[tup
 
 
 def _groups(flags: list[str]) -> list[tuple[str, ...]]:
-    known = {**SCHEDULE_FLAGS, **CHUNK_FLAGS}
-    return _split(flags, known)[1]
+    return _split(flags, {**SCHEDULE_FLAGS, **CHUNK_FLAGS})[1]
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,12 @@ class Change:
 def command_line(run: Run, candidate: Candidate) -> Change:
     """The candidate's pretrain_gpt.py arguments, and the flags to add to the user's and to drop from them."""
     words, removed = _split(list(run.argv), SCHEDULE_FLAGS)
+    if candidate.megatron:
+        words, dropped = _split(words, {**RUNTIME_FLAGS, **ILP_FLAGS})
+        removed += dropped
+    elif not schedule_kind(candidate.planner).ilp:
+        words, dropped = _split(words, ILP_FLAGS)
+        removed += dropped
     add = list(candidate.flags)
     if candidate.chunks != run.layout.chunks:
         words, removed_chunks = _split(words, CHUNK_FLAGS)
