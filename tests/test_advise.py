@@ -250,3 +250,44 @@ def test_the_full_size_example_command_lines_get_advice(capsys, name):
     for row in result["schedules"]:
         assert 0 <= row["bubble_rate"] < 1 and row["peak_bytes"] > 0 and row["fits"] == (row["peak_bytes"] <=
                                                                                           80 * 2**30)
+
+
+# ---------------------------------------------------------------- costs from a profiled run
+
+
+def _dump(directory, name: str, costs_from: str, t_f: list[float], stages: int = 2) -> None:
+    """A schedule JSON as pretrain_gpt.py --zero-bubble-dump-schedule writes it (the keys advise reads)."""
+    costs = {"t_f": t_f, "t_b": [4.0, 6.0], "t_w": [2.0, 3.0], "m_f": [200.0, 260.0], "m_w": [100.0, 130.0],
+             "t_comm": 0.5, "memory_unit": "bytes", "time_unit": "s"}
+    (directory / name).write_text(json.dumps({"stages": stages, "chunks": 1, "microbatches": 4, "layout": "single",
+                                              "ranks": [], "costs": costs, "costs_from": costs_from}))
+
+
+def test_a_profile_is_spread_per_layer_over_any_layout(tmp_path, cpu_parser):
+    from megatron.zero_bubble.advise.stage_costs import find_profile, load_profile
+
+    _dump(tmp_path, "zb-h1-m4-initial.json", "estimated from the model shape", [9.0, 9.0])
+    _dump(tmp_path, "zb-h1-m4-iter4.json", "measured in iterations 2-3", [3.0, 5.0])
+    _dump(tmp_path, "zb-h1-m4-iter14.json", "measured in iterations 12-13", [3.2, 5.0])
+    path = find_profile(str(tmp_path))
+    assert path.endswith("zb-h1-m4-iter14.json")  # the newest with measured costs
+    profile = load_profile(_run(cpu_parser, SMALL), path)
+    same = profile.costs([2, 2])  # the profiled layout comes back as measured
+    assert same.t_f == (3.2, 5.0) and same.m_f == (200.0, 260.0) and same.m_w == (100.0, 130.0)
+    v = profile.costs([1, 1, 1, 1])  # one layer per virtual stage, the LM head's excess on the last
+    assert v.t_f == pytest.approx((1.6, 1.6, 1.6, 5.0 - 3.2 + 1.6)) and v.t_comm == 0.5
+    assert v.m_f == pytest.approx((100.0, 100.0, 100.0, 160.0))
+
+
+def test_advise_reads_a_profile_and_refuses_one_of_another_pipeline(tmp_path, capsys):
+    _dump(tmp_path, "zb-h1-m4-iter4.json", "measured in iterations 2-3", [3.0, 5.0])
+    assert main(["advise", "--profile", str(tmp_path), "--", *SMALL]) == 0
+    assert f"costs      measured ({tmp_path / 'zb-h1-m4-iter4.json'})" in capsys.readouterr().out
+    other = tmp_path / "other"
+    other.mkdir()
+    _dump(other, "zb-h1-m4-iter4.json", "measured in iterations 2-3", [3.0, 5.0], stages=4)
+    assert main(["advise", "--profile", str(other), "--", *SMALL]) == 2
+    assert "a run with 4 pipeline stages, the command line has --pipeline-model-parallel-size 2" in \
+        capsys.readouterr().err
+    assert main(["advise", "--profile", str(tmp_path / "missing"), "--", *SMALL]) == 2
+    assert "no such directory" in capsys.readouterr().err

@@ -119,8 +119,18 @@ def _mlp(w: _Widths, ffn_hidden: int, tp: int) -> Saved:
 
 
 def _moe(w: _Widths) -> Saved:
-    """The router, the routed tokens and the experts, per token of this GPU (k routed copies each, spread evenly
-    over the experts), plus the shared experts."""
+    """The router, the routed tokens and the experts (k routed copies of each token, spread evenly over the
+    experts), per token of the sequence; under sequence parallelism a GPU routes its 1/TP of them. Plus the shared
+    experts, an MLP."""
+    routed = _routed(w).scaled(1 / w.sp)
+    shared = w.model.moe.shared_ffn_hidden
+    if not shared:
+        return routed
+    mlp = _mlp(w, shared, w.run.layout.tp)
+    return routed + (Saved(0.0, mlp.wgrad) if "shared_experts" in w.selective else mlp)
+
+
+def _routed(w: _Widths) -> Saved:
     moe, run, d = w.model.moe, w.run, w.d
     if "moe" in w.selective:
         return Saved(0.0, _expert_wgrad(w))
@@ -135,12 +145,7 @@ def _moe(w: _Widths) -> Saved:
         if w.local:
             per_token += ffn * d  # the local experts scale their activation by the routing probability
         forward += routed * per_token
-    saved = Saved(forward, _expert_wgrad(w))
-    if moe.shared_ffn_hidden and "shared_experts" not in w.selective:
-        saved += _mlp(w, moe.shared_ffn_hidden, run.layout.tp)
-    elif moe.shared_ffn_hidden:
-        saved += Saved(0.0, _mlp(w, moe.shared_ffn_hidden, run.layout.tp).wgrad)
-    return saved
+    return Saved(forward, _expert_wgrad(w))
 
 
 def _expert_wgrad(w: _Widths) -> float:

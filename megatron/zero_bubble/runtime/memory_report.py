@@ -55,8 +55,9 @@ def memory_record(ran: Schedule, costs: Costs, reports: list[dict], replanned: S
         "replanned_bytes": None,
     }
     record["model_state_bytes"] = _per_pipeline_rank(reports, "model_state_bytes", ran.stages)
-    record["peak_bytes"] = [None if state is None or held is None else state + held
-                            for state, held in zip(record["model_state_bytes"], record["measured_bytes"])]
+    devices = [dict(r, peak_bytes=r["model_state_bytes"] + r["held_peak_bytes"]) for r in reports
+               if r.get("model_state_bytes") is not None and r["held_peak_bytes"] is not None]
+    record["peak_bytes"] = _per_pipeline_rank(devices, "peak_bytes", ran.stages)  # each device's, then the largest
     if replanned is not None:
         record["replanned_bytes"] = _peaks(held_memory_profile(replanned, costs, tensor_bytes,
                                                                outputs_freed_when_sent=freed))
