@@ -51,11 +51,15 @@ def _ratio(value: float | None) -> str:
 
 
 def table(advice: Advice) -> list[str]:
-    lines = [f"{'schedule':30s} {'bubble':>7s} {'time/1F1B':>10s} {'time/interl.':>12s} {'peak per GPU':>13s} "
-             f"{'(rank)':>6s}  fits {size(advice.gpu_memory)}"]
+    """One row per schedule: its bubble, its time over the baselines', and the GPU with the highest peak: the peak,
+    that GPU's model state and its activations' peak, and its pipeline rank."""
+    lines = [f"{'schedule':30s} {'bubble':>7s} {'time/1F1B':>9s} {'time/interl.':>12s} {'peak/GPU':>10s} "
+             f"{'= model state':>14s} {'+ activations':>14s} {'(rank)':>6s}  fits {size(advice.gpu_memory)}"]
     for p in advice.predictions:
-        lines.append(f"{p.candidate.label:30s} {p.bubble_rate:7.2%} {_ratio(advice.relative(p, '1f1b')):>10s} "
-                     f"{_ratio(advice.relative(p, 'interleaved-1f1b')):>12s} {size(p.peak):>13s} {p.peak_rank:>6d}  "
+        rank = p.peak_rank
+        lines.append(f"{p.candidate.label:30s} {p.bubble_rate:7.2%} {_ratio(advice.relative(p, '1f1b')):>9s} "
+                     f"{_ratio(advice.relative(p, 'interleaved-1f1b')):>12s} {size(p.peak):>10s} "
+                     f"{size(p.state[rank].total):>14s} {size(p.activations[rank]):>14s} {rank:>6d}  "
                      f"{'yes' if p.peak <= advice.gpu_memory else 'no'}")
     for s in advice.skipped:
         lines.append(f"{s.candidate.label:30s} does not apply: {s.reason}")
