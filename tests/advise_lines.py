@@ -1,10 +1,10 @@
 """pretrain_gpt.py command lines shaped like Megatron-LM's examples/, for `zb-schedule advise` (docs/advise.md).
 
-FULL: the examples at full size (examples/llama/train_llama3_8b_h100_fp8.sh, examples/gpt3/train_gpt3_175b_distributed.sh,
-examples/mixtral/train_mixtral_8x7b_distributed.sh), and a DeepSeek-like MoE (DeepSeek-V2-Lite's experts: 64 of them, 6
-routed per token, shared experts, a dense first layer; grouped-query attention instead of multi-latent attention,
-which advise does not model) with expert parallelism. Each with the advise options that give its world size (and the
-vocabulary of a tokenizer advise does not load).
+FULL: the examples at full size (examples/llama/train_llama3_8b_h100_fp8.sh,
+examples/gpt3/train_gpt3_175b_distributed.sh, examples/mixtral/train_mixtral_8x7b_distributed.sh), and a
+DeepSeek-like MoE (DeepSeek-V2-Lite's experts: 64 of them, 6 routed per token, shared experts, a dense first layer;
+grouped-query attention instead of multi-latent attention, which advise does not model) with expert parallelism.
+Each with the advise options that give its world size (and the vocabulary of a tokenizer advise does not load).
 
 TINY: the same shapes small enough to train on two CPU cores (tests/megatron/test_advise_measured.py measures them),
 with the number of processes. Rotary embeddings do not run on the CPU here: the tiny lines use learned absolute
@@ -32,7 +32,8 @@ FULL = {
         --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5
         --lr-decay-style cosine --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
         --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --data-path my-gpt3_00_text_document
-        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --tokenizer-type GPT2BPETokenizer --split 949,50,1"""),
+        --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --tokenizer-type GPT2BPETokenizer
+        --split 949,50,1"""),
     "mixtral-8x7b": ("--nodes 8 --tokenizer-vocab 32000", """
         --use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768 --num-layers 32
         --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01
@@ -40,11 +41,13 @@ FULL = {
         --untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
         --no-position-embedding --rotary-base 1000000 --num-experts 8 --moe-router-topk 2
         --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm
-        --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce --tokenizer-type Llama2Tokenizer
+        --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+        --tokenizer-type Llama2Tokenizer
         --tokenizer-model tokenizer.model --data-path my-mixtral_text_document --split 99990,8,2 --micro-batch-size 1
         --global-batch-size 256 --lr 1e-4 --train-iters 500000 --lr-decay-iters 320000 --lr-decay-style cosine
         --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16 --tensor-model-parallel-size 1
-        --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --use-distributed-optimizer --sequence-parallel"""),
+        --pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --use-distributed-optimizer
+        --sequence-parallel"""),
     "deepseek-moe": ("--nodes 8 --tokenizer-vocab 102400", """
         --num-layers 28 --hidden-size 2048 --ffn-hidden-size 10944 --num-attention-heads 16 --kv-channels 128
         --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope --swiglu --normalization RMSNorm
@@ -70,7 +73,8 @@ _MOE_WINDOW = "--train-iters 17 --zero-bubble-pipeline-timers-start-iter 14 --ze
 TINY = {
     "llama3-8b": (2, "zb-v", """
         --num-layers 4 --hidden-size 256 --ffn-hidden-size 896 --num-attention-heads 8 --group-query-attention
-        --num-query-groups 2 --kv-channels 32 --position-embedding-type learned_absolute --swiglu --normalization RMSNorm
+        --num-query-groups 2 --kv-channels 32 --position-embedding-type learned_absolute --swiglu
+        --normalization RMSNorm
         --untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0 --hidden-dropout 0 --bf16
         --grad-reduce-in-bf16 --use-distributed-optimizer --micro-batch-size 2 --global-batch-size 16
         --no-create-attention-mask-in-dataloader --pipeline-model-parallel-size 2 --pipeline-schedule zb-v"""
@@ -88,11 +92,13 @@ TINY = {
         --pipeline-model-parallel-size 2 --pipeline-schedule zb-h1""" + " " + _MOE_WINDOW),
     "deepseek-moe": (4, "zb-h2", """
         --num-layers 4 --hidden-size 256 --ffn-hidden-size 768 --num-attention-heads 8 --kv-channels 32
-        --position-embedding-type learned_absolute --swiglu --normalization RMSNorm --untie-embeddings-and-output-weights
-        --disable-bias-linear --attention-dropout 0 --hidden-dropout 0 --bf16 --num-experts 8 --moe-router-topk 2
+        --position-embedding-type learned_absolute --swiglu --normalization RMSNorm
+        --untie-embeddings-and-output-weights --disable-bias-linear --attention-dropout 0 --hidden-dropout 0 --bf16
+        --num-experts 8 --moe-router-topk 2
         --moe-ffn-hidden-size 192 --moe-shared-expert-intermediate-size 384 --moe-layer-freq ([0]+[1]*3)
-        --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-load-balancing-type seq_aux_loss
-        --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall --expert-model-parallel-size 2
+        --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+        --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall
+        --expert-model-parallel-size 2
         --use-distributed-optimizer --micro-batch-size 2 --global-batch-size 16 --pipeline-model-parallel-size 2
         --pipeline-schedule zb-h2""" + " " + _MOE_WINDOW),
 }

@@ -62,4 +62,4 @@ def test_predicted_peak_per_gpu_is_within_ten_percent_of_the_measured(name):
           f"error {[f'{(p - m) / m:+.1%}' for p, m in zip(predicted, peak)]}")
     assert len(predicted) == len(peak)
     for rank, (got, expected) in enumerate(zip(peak, predicted)):
-        assert abs(expected - got) <= TOLERANCE * got, f"{name}, pipeline rank {rank}: measured {got}, predicted {expected}"
+        assert abs(expected - got) <= TOLERANCE * got, (name, rank, got, expected)

@@ -88,7 +88,8 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
     held = held_memory_profile(schedule, costs, pipeline_tensor_bytes(run), after_a_call=False)
     counts = layout.placement.counts(layout.pp, candidate.chunks)
     ends = ends_per_rank(run, counts, schedule.layout)
-    state = tuple(model_state(run, params, *end) for params, end in zip(rank_params(run, counts, schedule.layout), ends))
+    params = rank_params(run, counts, schedule.layout)
+    state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
     return Prediction(candidate=candidate, change=command_line(run, candidate), bubble_rate=timeline.bubble_rate,
                       makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
                       activations=tuple(max(rank, default=0.0) for rank in held))

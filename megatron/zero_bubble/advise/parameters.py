@@ -141,8 +141,9 @@ def optimizer_bytes_per_param(run: Run) -> float:
 def ends_per_rank(run: Run, counts: list[int], layout_name: str) -> list[tuple[bool, bool]]:
     """Per pipeline rank: (holds the first virtual stage, holds the last)."""
     last = len(counts) - 1
-    return [(stage_owner(layout_name, run.layout.pp, 0)[0] == rank, stage_owner(layout_name, run.layout.pp, last)[0] == rank)
-            for rank in range(run.layout.pp)]
+    first_rank = stage_owner(layout_name, run.layout.pp, 0)[0]
+    last_rank = stage_owner(layout_name, run.layout.pp, last)[0]
+    return [(first_rank == rank, last_rank == rank) for rank in range(run.layout.pp)]
 
 
 def model_state(run: Run, params: ParamCount, first: bool = False, last: bool = False) -> ModelState:
