@@ -1,7 +1,8 @@
 """The `zb-schedule` command: the planning commands (schedules/cli.py, pure Python) plus `rehearse`.
 
-`rehearse` runs a plan on local processes with the runtime (torch), so it is added here, above both
-layers, and the planning layer stays free of torch:
+`rehearse` runs a plan on local processes with the runtime (torch), and `advise` reads a pretrain_gpt.py command
+line with megatron's parser (advise/, docs/advise.md), so they are added here, above both layers, and the planning
+layer stays free of torch:
 
     zb-schedule rehearse --schedule zb-h1 --stages 8 --microbatches 32 --t-f 18.5 --t-b 18.1 --t-w 9.3 --t-comm 0.7
     zb-schedule rehearse --schedule zb-auto --chunks 2 --stages 8 --microbatches 32 --t-f 18.5 --t-b 18.1 --t-w 9.3
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 
+from .advise.cli import add_advise
 from .schedules import cli as planning
 from .schedules.schedule import Pass
 from .schedules.trace import TraceRow, chrome_trace, write_trace
@@ -112,7 +114,7 @@ def summary(report: dict, unit: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return planning.main(argv, extensions=(_add_rehearse,))
+    return planning.main(argv, extensions=(_add_rehearse, add_advise))
 
 
 if __name__ == "__main__":

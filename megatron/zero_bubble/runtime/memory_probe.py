@@ -9,10 +9,17 @@ memory). Elsewhere (another C library) it says "not measured" rather than guess.
 optimizer state exist by then and stay out of the figures. `sample(p)` after each compute pass records what is
 held above it: the activations the planner's memory model (schedules/memory.py) counts between passes, plus
 whatever else the runtime keeps (messages in flight, received tensors). Only profiled calls use a probe.
+
+`start()` also records the model state: the memory of every tensor alive as the call starts (weights, megatron
+DDP's gradient buffers, optimizer state, megatron's buffers), which `zb-schedule advise` predicts beside the
+activations. On CUDA that is the baseline itself (the device holds tensors only); on the CPU the allocator also
+holds the interpreter's, the libraries' and the data pipeline's memory (which a GPU run keeps in host memory), so
+the live tensors are counted instead: each storage once, found through Python's garbage collector.
 """
 from __future__ import annotations
 
 import ctypes
+import gc
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,11 +58,25 @@ class HeldMemory:
     source: str  # where the figures come from, or why there are none
     after_pass: list[tuple[Pass, int]] = field(default_factory=list)
     peak_in_passes: int | None = None  # CUDA: the call's peak, transients inside passes included
+    model_state: int | None = None  # bytes of the tensors alive as the call started (see the module docstring)
 
     @property
     def peak(self) -> int | None:
         """The most held between two passes (what the planner's model predicts), None if not measured."""
         return max(held for _, held in self.after_pass) if self.after_pass else None
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the storages of every tensor on `device` that Python can reach, each storage once."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device != device or obj.is_sparse or obj.is_meta:
+            continue
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 class MemoryProbe:
@@ -92,6 +113,7 @@ class MemoryProbe:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._baseline = self._read()
+        self.held.model_state = self._baseline if self.device.type == "cuda" else live_tensor_bytes(self.device)
 
     def sample(self, p: Pass) -> None:
         """After a compute pass: what is held above the baseline."""

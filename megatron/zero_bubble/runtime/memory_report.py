@@ -5,7 +5,10 @@ Every rank adds what its memory probe read in the last profiled iteration to its
 rank the most held after a pass (the largest over data-parallel replicas), the planner's prediction for the
 schedule that ran (schedules/held_memory.py: its order on the measured M_B and M_W, plus the pipeline tensors
 its program keeps) and its activations alone, and the prediction for the re-planned schedule. The record goes
-into the re-planned schedule's JSON (info["memory"]); `describe_memory` is the log line.
+into the re-planned schedule's JSON (info["memory"]); `describe_memory` is the log line. The record also has each
+rank's model state (the tensors alive as the call started: weights, gradient buffers, optimizer state, megatron's
+buffers; memory_probe.py) and its peak, the model state plus the most held after a pass
+(`describe_memory_per_device`): what `zb-schedule advise` predicts per GPU.
 """
 from __future__ import annotations
 
@@ -51,10 +54,21 @@ def memory_record(ran: Schedule, costs: Costs, reports: list[dict], replanned: S
         "outputs_freed_when_sent": freed,
         "replanned_bytes": None,
     }
+    record["model_state_bytes"] = _per_pipeline_rank(reports, "model_state_bytes", ran.stages)
+    devices = [dict(r, peak_bytes=r["model_state_bytes"] + r["held_peak_bytes"]) for r in reports
+               if r.get("model_state_bytes") is not None and r["held_peak_bytes"] is not None]
+    record["peak_bytes"] = _per_pipeline_rank(devices, "peak_bytes", ran.stages)  # each device's, then the largest
     if replanned is not None:
         record["replanned_bytes"] = _peaks(held_memory_profile(replanned, costs, tensor_bytes,
                                                                outputs_freed_when_sent=freed))
     return record
+
+
+def describe_memory_per_device(record: dict) -> str:
+    """One log line: each rank's model state and its peak with the activations (see the module docstring)."""
+    return (f"zero-bubble: memory per device in iteration {record['iteration']}: model state (weights, gradient "
+            f"buffers, optimizer state, megatron's buffers: the tensors alive as the call starts) "
+            f"{_mib(record['model_state_bytes'])}, peak with the activations {_mib(record['peak_bytes'])}")
 
 
 def _mib(values) -> str:

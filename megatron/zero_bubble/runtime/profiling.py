@@ -97,7 +97,7 @@ class Profiler:
         report = dict(self.profile.summary(chunks), pp_rank=pp_rank)
         if self.memory is not None:
             report.update(held_peak_bytes=self.memory.peak, held_in_passes_bytes=self.memory.peak_in_passes,
-                          held_source=self.memory.source)
+                          held_source=self.memory.source, model_state_bytes=self.memory.model_state)
         return report
 
 

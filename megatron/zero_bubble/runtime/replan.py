@@ -15,7 +15,8 @@ It owns a `PipelineExecutor` whose `plan_for(m)` it answers, and puts three coll
   In the timer window a memory probe (memory_probe.py) also reads the allocator after every compute pass.
 Rank 0 prints one line when the training schedule is first planned and one after re-planning (iterations
 named as megatron's log names them), and at the end of the timer window one line with the memory each rank
-held in the last profiled iteration next to the planner's prediction (memory_report.py); with a dump
+held in the last profiled iteration next to the planner's prediction, and one with each rank's model state and
+its peak with the activations (memory_report.py); with a dump
 directory it writes each schedule as JSON (the re-planned one with that comparison) and PNG.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ..schedules.validate import validate
 from .agreement import agree, schedule_of
 from .executor import PipelineExecutor
 from .memory_probe import MemoryProbe
-from .memory_report import describe_memory
+from .memory_report import describe_memory, describe_memory_per_device
 from .p2p import current_device
 from .planning import PlanSettings, RankZeroPlanner, describe_costs
 from .profiling import Profiler, measure_p2p_seconds
@@ -191,6 +192,8 @@ class ReplanningPipeline:
         self.profiler = None
         if memory is not None:
             self.log(describe_memory(memory))
+            if any(v is not None for v in memory["model_state_bytes"]):
+                self.log(describe_memory_per_device(memory))
         if self.settings.dump_dir is not None:
             self._dump_measured(previous, Costs.from_dict(schedule.info["costs"]), pg.pp.rank(), first_logged - 1,
                                 memory)

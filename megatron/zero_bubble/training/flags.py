@@ -42,6 +42,16 @@ UNSUPPORTED_FLAGS = {
 }
 
 
+# megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile, seconds per
+# process for no gain at CPU sizes; the masked-softmax kernel for fp16/bf16 is CUDA-only).
+# megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile, seconds per
+# process for no gain at CPU sizes; masked softmax's fp16/bf16 kernel is CUDA-only; apply_rope_fusion is Transformer
+# Engine's RoPE kernel, megatron's --no-rope-fusion)
+CPU_DEFAULTS = dict(distributed_backend="gloo", gradient_accumulation_fusion=False, no_persist_layer_norm=True,
+                    transformer_impl="local", bias_gelu_fusion=False, bias_swiglu_fusion=False,
+                    bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
+
+
 class StartupRefusal(Exception):
     """A flag combination that cannot work; the message is one line naming the flag and the fix."""
 
@@ -87,13 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _repair_help_texts(parser)
     parser.error = refuse_argparse_error  # a bad megatron flag: one line, not the full usage on every rank
     if not cuda_available():
-        # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile,
-        # seconds per process for no gain at CPU sizes).
-        parser.set_defaults(distributed_backend="gloo", gradient_accumulation_fusion=False,
-                            no_persist_layer_norm=True, transformer_impl="local",
-                            bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False,
-                            masked_softmax_fusion=False,  # its fp16/bf16 kernel is CUDA-only
-                            apply_rope_fusion=False)  # Transformer Engine's RoPE kernel (megatron: --no-rope-fusion)
+        parser.set_defaults(**CPU_DEFAULTS)
     return parser
 
 

@@ -1,0 +1,126 @@
+"""Plan every candidate schedule on the run's costs and predict its bubble, its time and its memory per GPU.
+
+Each candidate is planned by the planning registry (`planners.plan_with_timeline`) on the costs of its own layout
+(stage_costs.py), as training would plan it at start-up; its peak per GPU is the model state of the pipeline rank
+(parameters.py) plus the most that rank holds between two passes by the held-memory model
+(schedules/held_memory.py: the planner's activation model plus the pipeline tensors in flight).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..schedules.costs import Costs
+from ..schedules.held_memory import held_memory_profile
+from ..schedules.planners import PlanRequest, layout_of, plan_with_timeline
+from ..schedules.schedule import ScheduleError
+from .activations import pipeline_tensor_bytes
+from .candidates import Candidate, Change, command_line, refusal
+from .parameters import ModelState, ends_per_rank, model_state, rank_params
+from .run import Run
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    change: Change
+    bubble_rate: float
+    makespan: float  # in the costs' time unit
+    time_unit: str
+    state: tuple[ModelState, ...]  # per pipeline rank
+    activations: tuple[float, ...]  # per pipeline rank: the most held between passes, bytes
+
+    @property
+    def peak_per_rank(self) -> tuple[float, ...]:
+        return tuple(s.total + a for s, a in zip(self.state, self.activations))
+
+    @property
+    def peak(self) -> float:
+        return max(self.peak_per_rank)
+
+    @property
+    def peak_rank(self) -> int:
+        return self.peak_per_rank.index(self.peak)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    candidate: Candidate
+    reason: str
+
+
+@dataclass(frozen=True)
+class Advice:
+    run: Run
+    predictions: tuple[Prediction, ...]
+    skipped: tuple[Skipped, ...]
+    gpu_memory: float  # bytes
+    costs_from: str
+
+    def by_planner(self, planner: str) -> Prediction | None:
+        return next((p for p in self.predictions if p.candidate.planner == planner), None)
+
+    def relative(self, prediction: Prediction, planner: str) -> float | None:
+        """Iteration time over that of the named baseline (None where it does not apply)."""
+        baseline = self.by_planner(planner)
+        return None if baseline is None else prediction.makespan / baseline.makespan
+
+    @property
+    def fitting(self) -> list[Prediction]:
+        return [p for p in self.predictions if p.peak <= self.gpu_memory]
+
+    @property
+    def best(self) -> Prediction | None:
+        """The fastest schedule that fits (the less memory of two as fast)."""
+        fitting = self.fitting
+        return min(fitting, key=lambda p: (round(p.makespan, 9), p.peak)) if fitting else None
+
+
+def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float = 0.0) -> Prediction:
+    """Plan `candidate` on `costs` (of its layout) and predict its time and memory."""
+    layout = run.layout
+    request = PlanRequest(stages=layout.pp, microbatches=layout.microbatches, costs=costs, chunks=candidate.chunks,
+                          memory_limit=candidate.memory_limit, ilp_time_limit=ilp_time_limit)
+    schedule, timeline = plan_with_timeline(candidate.planner, request)
+    # as in the first call: what a later call's baseline still holds of the previous one is not counted twice
+    held = held_memory_profile(schedule, costs, pipeline_tensor_bytes(run), after_a_call=False)
+    counts = layout.placement.counts(layout.pp, candidate.chunks)
+    ends = ends_per_rank(run, counts, schedule.layout)
+    params = rank_params(run, counts, schedule.layout)
+    state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
+    return Prediction(candidate=candidate, change=command_line(run, candidate), bubble_rate=timeline.bubble_rate,
+                      makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
+                      activations=tuple(max(rank, default=0.0) for rank in held))
+
+
+def advise(run: Run, parser, candidates: list[Candidate], costs_for: Callable[[list[int]], Costs],
+           gpu_memory: float, costs_from: str, ilp_time_limit: float = 0.0,
+           progress: Callable[[str], None] | None = None) -> Advice:
+    """Every candidate that applies, predicted; the others with the reason. `costs_for(counts)` gives the costs of
+    virtual stages holding those layer counts."""
+    predictions, skipped = [], []
+    for candidate in candidates:
+        reason = refusal(parser, run, candidate)
+        if reason is None:
+            counts = run.layout.placement.counts(run.layout.pp, candidate.chunks)
+            if progress is not None:
+                progress(f"planning {candidate.label} (p={run.layout.pp}, m={run.layout.microbatches})")
+            try:
+                predictions.append(predict(run, candidate, costs_for(counts), ilp_time_limit))
+                continue
+            except ScheduleError as error:
+                reason = str(error)
+        skipped.append(Skipped(candidate, reason))
+    return Advice(run=run, predictions=tuple(predictions), skipped=tuple(skipped), gpu_memory=gpu_memory,
+                  costs_from=costs_from)
+
+
+def single_stage(run: Run) -> tuple[ModelState, float]:
+    """Without pipelining (PP 1): the model state and one microbatch's activations, all on every GPU."""
+    from .activations import stage_saved
+
+    counts = [run.model.layers]
+    state = model_state(run, rank_params(run, counts, layout_of("1f1b", 1))[0], True, True)
+    return state, stage_saved(run, counts)[0].forward
