@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from tests.advise_lines import TINY, tiny_line
-from tests.megatron.pretrain_driver import REPO, launch_environment, torchrun_command
+from tests.launching import REPO, launch_environment, torchrun_command
 
 pytestmark = pytest.mark.slow
 MIB = 2**20
