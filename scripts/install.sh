@@ -19,7 +19,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
 if ! "$PY" -c "import importlib.metadata as m; assert m.version('megatron-core') == '${MCORE_VERSION}'" 2>/dev/null; then
-  # megatron-core asks for Python >= 3.12; on 3.11 it builds from its sdist (see shared/reference/megatron-cpu.md).
+  # megatron-core 0.19.2 declares Python >= 3.12 and has wheels for 3.12 only; its sdist works on 3.11 (it compiles
+  # megatron's dataset helpers with the system's C++ compiler, seconds), so there it is installed from the sdist past
+  # that declaration, without its dependencies (numpy and packaging are above, torch is kept).
   if "$PY" -c "import sys; sys.exit(sys.version_info >= (3, 12))"; then
     pip_install --ignore-requires-python --no-deps "megatron-core==${MCORE_VERSION}"
   else
