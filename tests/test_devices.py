@@ -145,3 +145,11 @@ def test_asking_for_the_cpu_hides_the_gpus_before_torch_looks(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
     hide_gpus_if_asked(["pretrain_gpt.py", "--zero-bubble-cpu"])
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_help_is_not_stopped_by_the_missing_gpu():
+    """`pretrain_gpt.py --help` lists the flags on any machine, --zero-bubble-cpu among them."""
+    from megatron.zero_bubble.training.early import check_early
+
+    check_early(["--help"])
+    check_early(["-h", "--num-layers", "2"])

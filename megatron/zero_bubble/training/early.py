@@ -75,7 +75,8 @@ def early_check(argv: list[str] | None = None) -> None:
 def check_early(argv: list[str]) -> None:
     """The checks of `early_check`; raises StartupRefusal."""
     args, _ = early_parser().parse_known_args(argv)
-    check_device_choice(args)
+    if "--help" not in argv and "-h" not in argv:  # the help prints on any machine
+        check_device_choice(args)
     check_paths(args)
     check_input_files(args)
     if args.yaml_cfg or args.use_checkpoint_args:

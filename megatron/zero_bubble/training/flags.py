@@ -184,8 +184,8 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-bubble-inject-fault", type=_fault, action="append", default=None,
                        metavar="KIND:RANK[:SECONDS]",
                        help=f"Inject a fault on a global rank, to see the run stop cleanly: {', '.join(FAULT_KINDS)} "
-                       f"(the split check sees a difference on that rank only; that rank never posts its first "
-                       f"activation or gradient send; that rank sleeps SECONDS, default 0.2, before each pass). "
+                       f"(the split check sees a difference on that rank only; that rank never posts its last "
+                       f"activation or gradient send of an iteration; that rank sleeps SECONDS, default 0.2, before each pass). "
                        f"May be given more than once. For tests.")
     group.add_argument(ON_CPU, action="store_true",
                        help="Train on the CPU with gloo: slow, for trying zero bubble and for tests. Without it, a "
