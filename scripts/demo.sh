@@ -98,7 +98,7 @@ echo "== Measured: megatron's 1F1B against ZB-H1 at PP=2, one core per rank =="
 
 echo
 echo "== Planning only: the paper's 1.5B model (p=8, m=24, profiled T_F/T_B/T_W in ms) =="
-"$PY" -m megatron.zero_bubble.schedules.cli compare --schedules 1f1b,zb-h1,zb-h2,zb-auto,zb-v --stages 8 \
+"$PY" -m megatron.zero_bubble.cli compare --schedules 1f1b,zb-h1,zb-h2,zb-auto,zb-v --stages 8 \
   --microbatches 24 --t-f 18.5 --t-b 18.1 --t-w 9.3 --t-comm 0.7 --memory-limit 16 --ilp-time-limit 5 \
   -o "$OUT/paper-1.5b.png"
 

@@ -11,7 +11,8 @@ import pytest
 
 from megatron.zero_bubble.schedules import Costs, Schedule, simulate, validate
 from megatron.zero_bubble.schedules.baselines import one_f_one_b
-from megatron.zero_bubble.schedules.cli import _Progress, main, parse_memory_limit
+from megatron.zero_bubble.cli import main
+from megatron.zero_bubble.commands.options import Progress as _Progress, parse_memory_limit
 from megatron.zero_bubble.schedules.draw import draw, render_text
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 
@@ -213,7 +214,7 @@ def test_malformed_json_exits_nonzero_with_one_line(text, tmp_path, capsys):
 @pytest.mark.slow  # a process
 def test_module_entry_point_reports_errors_without_a_traceback():
     result = subprocess.run(
-        [sys.executable, "-m", "megatron.zero_bubble.schedules.cli", "simulate", "--schedule", "1f1b", "-p", "4",
+        [sys.executable, "-m", "megatron.zero_bubble.cli", "simulate", "--schedule", "1f1b", "-p", "4",
          "-m", "0"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # every command runs as a process
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "megatron.zero_bubble.schedules.cli", *argv]
+    command = [sys.executable, "-m", "megatron.zero_bubble.cli", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
 

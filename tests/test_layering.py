@@ -107,3 +107,19 @@ def test_advise_imports_no_torch_and_nothing_of_the_runtime():
         assert "import torch" not in path.read_text(), path.name
         runtime = {m for m in _our_imports(path) if m.startswith(("runtime", "tools"))}
         assert not runtime, f"advise/{path.name} imports {runtime}"
+
+
+def test_the_planning_layer_holds_no_command_line():
+    """argparse, the cost options and the pictures' command line live above planning (commands/, cli.py)."""
+    for path in _modules("schedules"):
+        assert "import argparse" not in path.read_text(), f"schedules/{path.name} parses a command line"
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_every_module_of_the_package_fits_in_450_lines():
+    """A module over that wants splitting by concern (the team's rule, checked rather than remembered)."""
+    long = {str(path.relative_to(PACKAGE)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long

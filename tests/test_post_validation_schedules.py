@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate, validate
-from megatron.zero_bubble.schedules.cli import main
+from megatron.zero_bubble.cli import main
 from megatron.zero_bubble.schedules.comm import Message, Recv, Send, check_lowering, consumed, lower, produced
 from megatron.zero_bubble.schedules.memory import memory_profile
 from megatron.zero_bubble.schedules.ops import facts

@@ -48,7 +48,7 @@ def test_unreadable_actions_are_refused_naming_the_word(text, words):
 
 
 def test_simulate_writes_the_simulated_timeline_as_a_chrome_trace(tmp_path, capsys):
-    from megatron.zero_bubble.schedules.cli import main
+    from megatron.zero_bubble.cli import main
 
     path = tmp_path / "trace.json"
     code = main(["simulate", "--schedule", "zb-auto", "--chunks", "2", "-p", "3", "-m", "6", "--ilp-time-limit", "0",

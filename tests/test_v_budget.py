@@ -5,7 +5,7 @@ import random
 import pytest
 
 from megatron.zero_bubble.schedules import Costs, Schedule, ScheduleError, simulate, validate
-from megatron.zero_bubble.schedules.cli import main
+from megatron.zero_bubble.cli import main
 from megatron.zero_bubble.schedules.memory import memory_profile
 from megatron.zero_bubble.schedules.vblocks import Grid, Shape, block_order, build_block, free_start, paper_shape
 from megatron.zero_bubble.schedules.vbudget import mem_setup_limit, plan_v, v_half, v_min, v_plans, zb_v

@@ -23,8 +23,7 @@ The device and process-group backend of every rank: rank_device(), in one place.
 
 Global parameter names count transformer layers over the whole model ("decoder.layers.<global>."), so
 PP, VPP and TP layouts of the same `ModelSpec` hold identical weights and can be compared tensor by tensor.
-Every spawned rank makes its groups under process_groups.rank_groups: a leak of process groups fails the test that
-causes it, at the end of its scenario and after each case of `run_cases`.
+Every case runs in ranks forked for it alone (run_cases): what a case leaves behind ends with its processes.
 """
 from __future__ import annotations
 

@@ -97,39 +97,6 @@ def test_a_session_takes_fixed_plans_or_re_planning_not_both():
         ZeroBubbleSession(schedule_for=lambda m: one_f_one_b(2, m), plan_settings=object())
 
 
-def test_megatrons_flag_help_texts_are_read_once_per_process_and_parse_the_same(monkeypatch):
-    """parse_args builds its flags from config classes' source (inspect.getsource): the cache reads each class once,
-    gives every parse the same help texts and defaults, and uninstall restores megatron's reader."""
-    import inspect
-
-    from megatron.training.argument_utils import ArgumentGroupFactory
-    from megatron.training.arguments import parse_args
-
-    from megatron.zero_bubble.patches import argument_docstrings
-
-    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "8"])
-    megatrons = ArgumentGroupFactory._get_field_docstrings
-    reference = vars(parse_args())
-    read = []
-    getsource = inspect.getsource
-    monkeypatch.setattr(inspect, "getsource", lambda obj: read.append(obj) or getsource(obj))
-    argument_docstrings.install()
-    try:
-        first = vars(parse_args())
-        classes_read = list(read)
-        second = vars(parse_args())
-        factory = ArgumentGroupFactory.__new__(ArgumentGroupFactory)
-        copy = factory._get_field_docstrings(classes_read[0])
-        copy.clear()  # a caller that changes its copy changes no other's
-        assert factory._get_field_docstrings(classes_read[0]) == megatrons(factory, classes_read[0]) != {}
-    finally:
-        argument_docstrings.uninstall()
-    assert classes_read and len(set(classes_read)) == len(classes_read)
-    assert read == classes_read + [classes_read[0]]  # the second parse read nothing; megatron's reader (above) did
-    assert first == second == reference
-    assert ArgumentGroupFactory._get_field_docstrings is megatrons
-
-
 def test_the_dataset_helpers_are_compiled_only_where_none_are_installed(monkeypatch, tmp_path):
     """A pip install of megatron-core has the compiled helpers and no Makefile, so megatron's start-up `make` stopped
     every GPU run; with the helpers installed the compile is skipped, and every rank still meets the barrier."""

@@ -25,24 +25,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .run import Run
+from .run import Run, Tally
 
 CE_EXTRA_BYTES = 17  # per token: the int64 target, its mask and the fp32 loss of megatron's vocabulary-parallel CE
 EMBEDDING_BYTES = 12  # per token: the int64 token ids and the position ids the embedding lookups keep
 
 
 @dataclass(frozen=True)
-class Saved:
+class Saved(Tally):
     """Bytes per microbatch on one GPU: `forward` (M_F, added by F) and `wgrad` (M_W, kept by B for W)."""
 
     forward: float = 0.0
     wgrad: float = 0.0
-
-    def __add__(self, other: "Saved") -> "Saved":
-        return Saved(self.forward + other.forward, self.wgrad + other.wgrad)
-
-    def scaled(self, factor: float) -> "Saved":
-        return Saved(self.forward * factor, self.wgrad * factor)
 
 
 class _Widths:

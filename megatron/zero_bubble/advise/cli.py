@@ -3,7 +3,7 @@
     zb-schedule advise [--gpu-memory 80GiB] [--world-size N | --nodes N --gpus-per-node G] [--profile DIR]
                        -- <pretrain_gpt.py arguments>
 
-Registered as an extension of the planning command line (schedules/cli.py `build_parser(extensions)`), from the
+Registered as an extension of the planning command line (commands/planning.py `build_parser(extensions)`), from the
 `zb-schedule` entry (megatron/zero_bubble/cli.py); see docs/advise.md.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from ..schedules.cli import UsageError, parse_memory_limit
+from ..commands.options import UsageError, parse_memory_limit
 from .advice import advise, single_stage
 from .candidates import candidates
 from .command_line import AdviseError, megatron_parser, read_run
@@ -25,7 +25,7 @@ _BIG_PLAN = 20_000  # passes (3 x virtual stages x microbatches) above which pla
 
 
 def add_advise(commands, common, one_schedule_options) -> None:
-    """The `advise` subcommand (an extension of schedules/cli.py's parser)."""
+    """The `advise` subcommand (an extension of commands/planning.py's parser)."""
     sub = commands.add_parser(
         "advise", help="which schedule for a pretrain_gpt.py command line, and its memory per GPU",
         description="Read the model and the parallel layout from pretrain_gpt.py's arguments (after --), predict "

@@ -12,22 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedules.schedule import stage_owner
-from .run import DTYPE_BYTES, ModelShape, ParallelLayout, Run
+from .run import DTYPE_BYTES, ModelShape, ParallelLayout, Run, Tally
 
 
 @dataclass(frozen=True)
-class ParamCount:
+class ParamCount(Tally):
     """Parameters one GPU holds: `dense` ones replicated over data parallelism, `expert` ones over expert data
     parallelism."""
 
     dense: float = 0.0
     expert: float = 0.0
-
-    def __add__(self, other: "ParamCount") -> "ParamCount":
-        return ParamCount(self.dense + other.dense, self.expert + other.expert)
-
-    def scaled(self, factor: float) -> "ParamCount":
-        return ParamCount(self.dense * factor, self.expert * factor)
 
     @property
     def total(self) -> float:

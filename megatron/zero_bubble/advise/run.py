@@ -6,7 +6,7 @@ parameters.py (weights, gradients, optimizer state) and activations.py (what a m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from types import SimpleNamespace
 
 from ..schedules.costs import even_layer_counts
@@ -165,3 +165,13 @@ class Run:
     attention_mask_in_batch: bool = True  # megatron's dataloader makes a b x s x s mask (--create-attention-mask-...)
     notes: tuple[str, ...] = ()  # what advise assumed or left out, said with its output
     argv: tuple[str, ...] = field(default=(), compare=False)  # the pretrain_gpt.py arguments it was read from
+
+
+class Tally:
+    """A frozen dataclass of byte or parameter counts that add field by field and scale together."""
+
+    def __add__(self, other):
+        return type(self)(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def scaled(self, factor: float):
+        return type(self)(*(a * factor for a in astuple(self)))

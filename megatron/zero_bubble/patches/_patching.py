@@ -206,3 +206,17 @@ class MegatronPatch:
 
     def apply(self, *options) -> None:
         raise NotImplementedError
+
+
+def module_functions(patch: MegatronPatch):
+    """A patch module's `install(*options)`, `uninstall()` and `installed()`, for its one patch object."""
+    def install(*options) -> None:
+        patch.install(*options)
+
+    def uninstall() -> None:
+        patch.uninstall()
+
+    def installed() -> bool:
+        return patch.installed
+
+    return install, uninstall, installed

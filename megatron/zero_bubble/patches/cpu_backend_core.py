@@ -26,7 +26,7 @@ import logging
 import torch
 
 from . import imports
-from ._patching import MegatronPatch, PatchError, PatchSet
+from ._patching import MegatronPatch, PatchError, PatchSet, module_functions
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
 RNG_TRACKER_LOGGER = "megatron.core.tensor_parallel.random"
@@ -175,18 +175,4 @@ def _cuda_type_name(tensor, *type_args, **type_kwargs):
     return name if type_args or type_kwargs else name.replace("torch.", "torch.cuda.", 1)
 
 
-_PATCH = CoreCpuBackend()
-
-
-def install(force: bool = False) -> None:
-    """Apply the core CPU patches (idempotent); raises PatchError on a machine with CUDA unless forced."""
-    _PATCH.install(force)
-
-
-def uninstall() -> None:
-    """Restore every attribute the core patches replaced."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(CoreCpuBackend())

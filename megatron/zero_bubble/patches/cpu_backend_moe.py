@@ -31,7 +31,7 @@ import importlib
 import torch
 
 from . import cpu_backend_core
-from ._patching import MegatronPatch, PatchError
+from ._patching import MegatronPatch, PatchError, module_functions
 from .cpu_backend_core import see_cpu_as_cuda
 from .cpu_backend_torch import CpuTorch, NullStream
 
@@ -84,18 +84,4 @@ class MoeCpuBackend(MegatronPatch):
         super().uninstall()
 
 
-_PATCH = MoeCpuBackend()
-
-
-def install(force: bool = False) -> None:
-    """Apply the MoE CPU patches (idempotent); raises PatchError on a machine with CUDA unless forced."""
-    _PATCH.install(force)
-
-
-def uninstall() -> None:
-    """Restore what `install()` replaced and forget the do-nothing stream megatron stored."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(MoeCpuBackend())

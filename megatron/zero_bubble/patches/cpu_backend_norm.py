@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 from . import cpu_backend_core
-from ._patching import MegatronPatch, PatchError
+from ._patching import MegatronPatch, PatchError, module_functions
 
 NORM = ("megatron.core.transformer.torch_norm", "WrappedTorchNorm")
 
@@ -61,17 +61,4 @@ class SequenceParallelNormCpu(MegatronPatch):
         self.patches.replace(owner, "__new__", staticmethod(__new__))
 
 
-_PATCH = SequenceParallelNormCpu()
-
-
-def install(force: bool = False) -> None:
-    """Let the local spec's torch norm run under sequence parallelism (idempotent; CPU only unless forced)."""
-    _PATCH.install(force)
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(SequenceParallelNormCpu())

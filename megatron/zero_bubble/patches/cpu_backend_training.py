@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 from . import cpu_backend_core
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 from .cpu_backend_core import see_cpu_as_cuda
 from .cpu_backend_torch import CpuTorch, with_cuda_calls_on_cpu
 
@@ -71,18 +71,4 @@ class TrainingCpuBackend(MegatronPatch):
             self.patches.replace(module, name, with_cuda_calls_on_cpu(getattr(module, name)))
 
 
-_PATCH = TrainingCpuBackend()
-
-
-def install(force: bool = False) -> None:
-    """Apply the core and the training-loop CPU patches (idempotent; imports megatron.training)."""
-    _PATCH.install(force)
-
-
-def uninstall() -> None:
-    """Restore what the training-loop part replaced (the core part has its own `uninstall()`)."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(TrainingCpuBackend())

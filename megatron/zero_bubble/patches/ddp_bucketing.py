@@ -11,7 +11,7 @@ during its constructor the group it is given answers rank 0, and afterwards it h
 """
 from __future__ import annotations
 
-from ._patching import MegatronPatch, PatchError, megatron_core_version
+from ._patching import MegatronPatch, PatchError, megatron_core_version, module_functions
 
 
 class _AsFirstStage:
@@ -52,17 +52,4 @@ class DdpBucketing(MegatronPatch):
         self.patches.replace(DistributedDataParallel, "__init__", __init__)
 
 
-_PATCH = DdpBucketing()
-
-
-def install() -> None:
-    """Bucket every pipeline stage's gradients as megatron buckets the first's (idempotent, version-checked)."""
-    _PATCH.install()
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(DdpBucketing())

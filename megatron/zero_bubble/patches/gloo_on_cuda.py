@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 
 class _EachOnItsOwn:
@@ -38,12 +38,4 @@ class GlooOnCuda(MegatronPatch):
         self.patches.replace(buffers, "_coalescing_manager", one_collective_at_a_time)
 
 
-_PATCH = GlooOnCuda()
-
-
-def install() -> None:
-    _PATCH.install()
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
+install, uninstall, installed = module_functions(GlooOnCuda())

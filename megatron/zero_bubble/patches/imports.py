@@ -19,7 +19,7 @@ import sys
 import types
 import typing
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 TRITON_KERNEL_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
 PAGED_STASH_BLOCK_SIZE = 1024  # the value of GLOBAL_BLOCK_SIZE in megatron-core 0.19.2's triton module
@@ -52,19 +52,4 @@ def _triton_kernel_stub() -> types.ModuleType:
     return stub
 
 
-_PATCH = ImportShims()
-
-
-def install() -> None:
-    """Add the shims that `import megatron.core` / `megatron.training` need here (idempotent)."""
-    _PATCH.install()
-
-
-def uninstall() -> None:
-    """Remove the shims `install()` added; already imported megatron modules stay usable (they keep their
-    references)."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(ImportShims())

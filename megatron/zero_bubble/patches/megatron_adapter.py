@@ -263,14 +263,6 @@ class _Undo:
             part.restore()
 
 
-def _require(owner, name: str):
-    method = getattr(owner, name, None)
-    if method is None:
-        raise PatchError(f"megatron-core {megatron_core_version()}: {type(owner).__name__} has no {name}; the "
-                         f"zero-bubble runtime was written for 0.19.x")
-    return method
-
-
 def _device():
     import torch
 

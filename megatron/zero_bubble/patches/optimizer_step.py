@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 
 class OptimizerStep(MegatronPatch):
@@ -40,17 +40,4 @@ def _within_stage(reduction, controller):
     return reduce_within_stage
 
 
-_PATCH = OptimizerStep()
-
-
-def install(controller, model_chunks: list) -> None:
-    """Make `controller` (a runtime.post_validation.PostValidation) own the optimizer's step."""
-    _PATCH.install(controller, list(model_chunks))
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(OptimizerStep())

@@ -18,7 +18,7 @@ import inspect
 import re
 from typing import Callable
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 _SKIPPED = re.compile(r"( number of skipped iterations: *\d+ \|)")
 
@@ -117,17 +117,4 @@ class IntervalMoEReports:
         return line
 
 
-_PATCH = PostValidationTraining()
-
-
-def install(attach: Callable) -> None:
-    """attach(model, optimizer, opt_param_scheduler) -> PostValidation; called once the optimizer exists."""
-    _PATCH.install(attach)
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(PostValidationTraining())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 HELPERS = "megatron.core.datasets.helpers_cpp"
 
@@ -38,12 +38,4 @@ class PrebuiltHelpers(MegatronPatch):
         self.patches.replace(initialize, "_compile_dependencies", compile_unless_prebuilt)
 
 
-_PATCH = PrebuiltHelpers()
-
-
-def install() -> None:
-    _PATCH.install()
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
+install, uninstall, installed = module_functions(PrebuiltHelpers())

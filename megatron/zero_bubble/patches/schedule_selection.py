@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from ._patching import MegatronPatch
+from ._patching import MegatronPatch, module_functions
 
 
 class ScheduleSelection(MegatronPatch):
@@ -31,18 +31,4 @@ class ScheduleSelection(MegatronPatch):
         self.patches.replace_everywhere(schedules, "get_forward_backward_func", get_forward_backward_func)
 
 
-_PATCH = ScheduleSelection()
-
-
-def install(executor) -> None:
-    """Make every binding of get_forward_backward_func return `executor` when PP > 1 (another executor
-    re-installs)."""
-    _PATCH.install(executor)
-
-
-def uninstall() -> None:
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(ScheduleSelection())

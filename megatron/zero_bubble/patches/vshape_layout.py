@@ -37,7 +37,7 @@ import sys
 from ..schedules.costs import accounted_layer_counts
 from ..schedules.schedule import stage_owner, virtual_stage
 from . import imports
-from ._patching import MegatronPatch, PatchError
+from ._patching import MegatronPatch, PatchError, module_functions
 
 LAYOUT = "v"
 CHUNKS = 2  # model chunks per rank under V
@@ -389,19 +389,4 @@ class VShapePlacement(MegatronPatch):
         return forward
 
 
-_PATCH = VShapePlacement()
-
-
-def install(stages: int) -> None:
-    """Make megatron-core build and run the V placement for p = `stages` pipeline ranks (idempotent;
-    a different p re-installs). Call before initialize_model_parallel and before building the model."""
-    _PATCH.install(stages)
-
-
-def uninstall() -> None:
-    """Restore every binding replaced by `install()`."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed
+install, uninstall, installed = module_functions(VShapePlacement())

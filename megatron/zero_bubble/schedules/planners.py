@@ -30,7 +30,7 @@ __all__ = ["SCHEDULES", "SCHEDULE_NAMES", "Conflict", "MemoryLimit", "PlanReques
 
 @dataclass(frozen=True)
 class Conflict:
-    """A megatron option (its argparse dest, e.g. "overlap_grad_reduce") a schedule cannot run with."""
+    """A megatron option (its args attribute, e.g. "overlap_grad_reduce") a schedule cannot run with."""
 
     option: str
     reason: str  # reads as "--<option> does not work with <schedule> (<reason>)"

@@ -7,19 +7,19 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from dataclasses import dataclass
 
 from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_options, ilp_schedules, layout_of,
                                   multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
+from .paths import check_input_files, check_paths
+from .post_validation_checks import check_post_validation
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
 from .te_checks import check_transformer_engine_split
-from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
-                    cuda_available)
+from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS,
+                    StartupRefusal, cuda_available, given)
 
 # Flags that only mean something with a schedule run by the zero-bubble runtime (None when not given).
 RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedule_mem_setup",
@@ -48,11 +48,6 @@ class ZeroBubbleOptions:
 
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
-
-
-def given(argv: list[str], flag: str) -> bool:
-    """Whether the command line `argv` names `flag` itself (not just its default)."""
-    return any(word == flag or word.startswith(flag + "=") for word in argv)
 
 
 def chosen_schedule(args) -> tuple[str | None, str | None]:
@@ -119,73 +114,6 @@ def microbatches(args) -> int:
     data_parallel = max(1, args.world_size // model_parallel)
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     return max(1, global_batch // (args.micro_batch_size * data_parallel))
-
-
-def _remote(path: str) -> bool:
-    return "://" in path  # object storage (msc://, s3://): megatron's to reach
-
-
-def check_input_files(args) -> None:
-    """Files the run reads: megatron's indexed datasets (PREFIX.bin and PREFIX.idx for every --data-path
-    prefix), the data-args files and the tokenizer's vocabulary and merges."""
-    paths = []
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        paths += list(getattr(args, flag, None) or [])
-    for prefix in paths:
-        if _is_number(prefix) or _remote(prefix):
-            continue  # a blend weight
-        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
-        if missing:
-            raise StartupRefusal(
-                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; "
-                f"pass the prefix of a megatron indexed dataset (PREFIX.bin and PREFIX.idx), or drop --data-path "
-                f"for mock data"
-            )
-    for name in ("data_args_path", "per_split_data_args_path", "vocab_file", "merge_file"):
-        path = getattr(args, name, None)
-        if path and not _remote(path) and not os.path.isfile(path):
-            flag = "--" + name.replace("_", "-")
-            what = "is a directory" if os.path.isdir(path) else "does not exist"
-            raise StartupRefusal(f"{flag} {path} {what}; pass an existing file or drop {flag}")
-
-
-# Directories the run writes into (megatron's and ours): created and written to once at start-up.
-WRITTEN_DIRECTORIES = ("zero_bubble_dump_schedule", "save", "tensorboard_dir", "data_cache_path")
-
-
-def check_paths(args) -> None:
-    """Directories the run writes into must be creatable and writable before anything starts."""
-    for name in WRITTEN_DIRECTORIES:
-        path = getattr(args, name, None)
-        if path and not _remote(path):
-            _writable_directory(path, "--" + name.replace("_", "-"))
-
-
-def _writable_directory(path: str, flag: str) -> None:
-    """Create `path` (with its parents) and write a file into it, or refuse naming the flag."""
-    fix = "pass a directory you can write to"
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({existing} is a file); {fix}")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); {fix}") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".pretrain_gpt-write-check-"):
-            pass
-    except OSError as error:
-        raise StartupRefusal(f"{flag} {path}: cannot write into the directory ({error.strerror}); {fix}") from None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 # MoE options that need CUDA (the CPU backend runs megatron's local experts: SequentialMLP, alltoall/allgather).
@@ -445,49 +373,3 @@ def check_flags(args) -> tuple[str | None, str | None]:
     else:
         check_schedule_flags(args, schedule, flag)
     return schedule, flag
-
-
-def check_post_validation(args, options: ZeroBubbleOptions, flag: str, argv: list[str]) -> None:
-    """What the speculative step and its rollback support; everything else is refused here."""
-    if not options.through_runtime:
-        raise StartupRefusal(
-            f"--enable-optimizer-post-validation works with schedules run by the zero-bubble runtime, not with "
-            f"megatron's own ({flag}); add --enable-zb-runtime or drop the flag")
-    if given(argv, "--rerun-mode") and args.rerun_mode != "disabled":
-        raise StartupRefusal(
-            f"--rerun-mode {args.rerun_mode} all-reduces over every rank after each forward-backward, the barrier "
-            f"--enable-optimizer-post-validation removes (without --rerun-mode it is switched off); use "
-            f"--rerun-mode disabled or drop one of them")
-    unsupported = {
-        "log_num_zeros_in_grad": "counting zeros reduces over every stage in the step",
-        "log_params_norm": "the parameter norm reduces over every stage and would read speculative weights",
-        "use_precision_aware_optimizer": "its decoupled gradients and master weights are not rolled back",
-        "optimizer_cpu_offload": "the offloaded optimizer's state is not rolled back",
-        "mtp_num_layers": "multi-token prediction layers are clipped by their own norm, which is not chained",
-        "moe_enable_routing_replay": "the routing it records or replays is not rewound when passes are replayed",
-        "moe_routing_trace_path": "the router trace would record the passes a rollback replays twice",
-        "save_tokens_per_expert_interval": "it would record the tokens of the passes a rollback replays twice",
-        "save_params_interval": "it would save speculative parameters",
-        "save_activations_interval": "its hooks would record the activations of the passes a rollback replays twice",
-        "save_dgrads_interval": "its hooks would record the input gradients of the passes a rollback replays twice",
-        "save_wgrads_interval": "it would save gradients a rollback re-steps with, and force an all-reduce in the "
-                                "step's place",
-        "qk_clip": "it changes weights after the step, which a rollback would not undo",
-    }
-    for name, why in unsupported.items():
-        if getattr(args, name, False):
-            raise StartupRefusal(
-                f"--{name.replace('_', '-')} does not work with --enable-optimizer-post-validation ({why}); "
-                f"drop one of them")
-    if getattr(args, "num_distributed_optimizer_instances", 1) > 1:
-        raise StartupRefusal("--num-distributed-optimizer-instances above 1 does not work with "
-                             "--enable-optimizer-post-validation yet; drop one of them")
-    if args.optimizer not in ("adam", "sgd"):
-        raise StartupRefusal(
-            f"--enable-optimizer-post-validation rolls back adam and sgd steps, not --optimizer {args.optimizer}; "
-            f"use one of those or drop the flag")
-    coupled_decay = args.optimizer == "adam" and not getattr(args, "decoupled_weight_decay", True)
-    if coupled_decay and args.weight_decay and not args.zero_bubble_exact_rollback:
-        raise StartupRefusal(
-            "Adam with coupled weight decay cannot be inverted in place; add --zero-bubble-exact-rollback "
-            "(or use decoupled weight decay)")

@@ -203,6 +203,11 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        "so that any pipeline/tensor layout of the model starts from the same weights.")
 
 
+def given(argv: list[str], flag: str) -> bool:
+    """Whether the command line `argv` names `flag` itself (not just its default)."""
+    return any(word == flag or word.startswith(flag + "=") for word in argv)
+
+
 def refuse_argparse_error(message: str):
     """argparse's `error` for our parsers: a StartupRefusal (one line) instead of the usage text and exit."""
     if message.startswith("argument "):

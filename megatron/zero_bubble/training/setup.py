@@ -22,18 +22,16 @@ from .layer_layout import layer_counts_of
 
 
 def prepare_process() -> None:
-    """Import shims (no triton, Python 3.11), megatron's flag help texts read once per process (each start-up
-    parses three times); with --zero-bubble-cpu (or without CUDA, which the start-up checks then refuse) the CPU
-    backend for megatron.training."""
+    """Import shims (no triton, Python 3.11), megatron's dataset helpers as installed; with --zero-bubble-cpu (or
+    without CUDA, which the start-up checks then refuse) the CPU backend for megatron.training."""
     import sys
 
-    from ..patches import argument_docstrings, imports, prebuilt_helpers
+    from ..patches import imports, prebuilt_helpers
     from .devices import hide_gpus_if_asked
 
     hide_gpus_if_asked(sys.argv)  # before torch asks CUDA for its devices
 
     imports.install()
-    argument_docstrings.install()
     prebuilt_helpers.install()  # a pip install of megatron-core has no Makefile for megatron's start-up `make`
     import torch
 
