@@ -11,8 +11,8 @@
 # EXAMPLE=gpt3_175b sbatch --nodes=16 scripts/slurm/pretrain_gpt.sbatch. Knobs (environment): TP, PP, VPP,
 # MICRO_BATCH, GLOBAL_BATCH, TRAIN_ITERS, NPROC_PER_NODE, NNODES, and those of examples/common.sh.
 #
-# Why zb-auto over two chunks per rank: megatron trains this model with interleaved 1F1B (each rank holds 2 chunks of
-# 3 layers). zb-auto plans that same placement with every backward split into B and W, under interleaved 1F1B's own
+# Why zb-auto over two chunks per rank: a model this deep is usually pipelined with megatron's interleaved 1F1B (here
+# each rank would hold 2 chunks of 3 layers). zb-auto plans that same placement with every backward split into B and W, under interleaved 1F1B's own
 # peak activation memory as its default limit (p + (p-1)/2 microbatches' worth of a rank's layers: 23.5 at p = 16,
 # against 1F1B's 16): no more memory than megatron's schedule, a fraction of its bubble (README, "Interleaved
 # layouts"). The limit is --zero-bubble-max-pending-backward (default auto: at most what the free GPU memory holds).
@@ -20,8 +20,8 @@
 # against p, i.e. on more nodes. The plan is made at start-up from the model's shape, and again from measured pass
 # times after iteration 110.
 #
-# fp16 with dynamic loss scaling as megatron's example has it, except that it starts at 2^16 (megatron's default,
-# 2^32, skips the first steps until the scale has come down; a skipped step is skipped on every stage).
+# fp16 with dynamic loss scaling as megatron's example has it, except that the scale starts at 2^16: from megatron's
+# default, 2^32, the first dozen or so steps overflow and are skipped while the scale comes down.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
