@@ -146,6 +146,78 @@ def test_dry_run_rejects_an_unknown_model():
     assert result.returncode != 0 and "MODEL must be one of" in result.stderr
 
 
+# ---------------------------------------------------------------- examples/ through the launcher
+
+
+def example_dry_run(name: str, *positional: str, **knobs: str) -> list:
+    """What examples/NAME.sh alone passes to pretrain_gpt.py (its DRY_RUN), with the arguments and knobs given."""
+    result = subprocess.run(["bash", str(REPO / "examples" / f"{name}.sh"), *positional],
+                            env=clean_environment(DRY_RUN="1", **knobs),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    command = torchrun_command(result.stdout)
+    return command[[Path(word).name for word in command].index("pretrain_gpt.py") + 1:]
+
+
+def launched_arguments(output: str) -> list:
+    command = torchrun_command(output)
+    return command[[Path(word).name for word in command].index("pretrain_gpt.py") + 1:]
+
+
+def test_dry_run_launches_an_example_with_its_own_arguments_across_the_nodes():
+    result = dry_run("--seed", "7", EXAMPLE="llama3_8b", NNODES="2", EXTRA_ARGS="--log-interval 10")
+    assert result.returncode == 0, result.stderr
+    flags = flag_values(torchrun_command(result.stdout))
+    assert flags["--nnodes"] == "2" and flags["--nproc-per-node"] == "8"
+    assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "localhost:29500"
+    # the example saw the allocation's size (its description), and its arguments arrive unchanged, then ours
+    assert "TP 1 x PP 4 x DP 4 on 16 processes; schedule zb-v" in result.stdout
+    assert "world 16 = TP 1 x PP 4 x DP 4 (2 nodes x 8, nccl); schedule zb-v, micro batch 1, global batch 128" \
+        in result.stdout
+    assert launched_arguments(result.stdout) == example_dry_run("llama3_8b", NNODES="2", NPROC_PER_NODE="8") + [
+        "--log-interval", "10", "--seed", "7"]
+
+
+def test_dry_run_cpu_mode_runs_an_examples_tiny_mode_with_its_knobs_and_positional_arguments(tmp_path):
+    result = dry_run(EXAMPLE=str(REPO / "examples" / "deepseek_moe.sh"), CPU="1", NNODES="2", NPROC_PER_NODE="2",
+                     MLA="1", EXAMPLE_ARGS=f"{tmp_path}/ckpt")
+    assert result.returncode == 0, result.stderr
+    arguments = launched_arguments(result.stdout)
+    assert arguments == example_dry_run("deepseek_moe", f"{tmp_path}/ckpt", TINY="1", MLA="1", NNODES="2",
+                                        NPROC_PER_NODE="2")
+    flags = flag_values(arguments)
+    assert flags["--save"] == f"{tmp_path}/ckpt" and flags["--distributed-backend"] == "gloo"
+    assert "--multi-latent-attention" not in flags and "tiny: left out" in result.stdout
+    assert "world 4 = TP 1 x PP 2 x DP 2 (2 nodes x 2, gloo)" in result.stdout
+
+
+def test_dry_run_an_arguments_file_written_by_an_example(tmp_path):
+    path = tmp_path / "run.args"
+    written = subprocess.run(["bash", str(REPO / "examples" / "gpt3_175b.sh")],
+                             env=clean_environment(ARGS_FILE=str(path)), capture_output=True, text=True, timeout=30)
+    assert written.returncode == 0, written.stderr
+    result = dry_run(ARGS_FILE=str(path), NNODES="16")
+    assert result.returncode == 0, result.stderr
+    assert launched_arguments(result.stdout) == path.read_text().splitlines()
+    assert "world 128 = TP 8 x PP 16 x DP 1 (16 nodes x 8, nccl); schedule zb-auto" in result.stdout
+    assert dry_run(ARGS_FILE=str(path), NNODES="2").returncode != 0  # TP 8 x PP 16 needs 16 nodes of 8
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"EXAMPLE": "llama3_8b", "MODEL": "1.5b"}, "MODEL has no effect with EXAMPLE=llama3_8b"),
+    ({"EXAMPLE": "llama3_8b", "SCHEDULE": "zb-h1"}, "SCHEDULE has no effect with EXAMPLE=llama3_8b"),
+    ({"ARGS_FILE": "/dev/null", "TP": "2"}, "TP has no effect with ARGS_FILE=/dev/null"),
+    ({"EXAMPLE": "llama3_8b", "ARGS_FILE": "/dev/null"}, "set EXAMPLE or ARGS_FILE, not both"),
+    ({"EXAMPLE": "llama4"}, "no such script; name one of examples/ (deepseek_moe gpt3_175b llama3_8b mixtral_8x7b)"),
+    ({"ARGS_FILE": "/nonexistent/run.args"}, "ARGS_FILE=/nonexistent/run.args: no such file"),
+    ({"EXAMPLE": "mixtral_8x7b", "CPU": "1", "NNODES": "2"}, "EP 2 does not divide the 1 data-parallel ranks"),
+])
+def test_dry_run_refuses_what_an_example_would_ignore_or_cannot_run(knobs, words):
+    result = dry_run(**knobs)
+    assert result.returncode != 0 and "torchrun command" not in result.stdout
+    assert words in result.stderr
+
+
 # ---------------------------------------------------------------- a real two-node cluster
 
 
@@ -188,7 +260,8 @@ class Job:
 
 def submit_job(cluster: Cluster, work: Path, *args: str, **knobs: str) -> Job:
     """Submits the launcher on two nodes (LOG_DIR under `work`); the job runs while other tests do."""
-    env = clean_environment(**cluster.env, CPU="1", MODEL="tiny", LOG_DIR=str(work / "logs"),
+    preset = {} if "EXAMPLE" in knobs else {"MODEL": "tiny"}  # an example brings its own model
+    env = clean_environment(**cluster.env, CPU="1", **preset, LOG_DIR=str(work / "logs"),
                             TORCHRUN=f"{sys.executable} -m torch.distributed.run", **knobs)
     output = work / "job.out"
     # --exclusive=user (over the script's --exclusive): the suite's two jobs share the two nodes, a core each
@@ -199,17 +272,20 @@ def submit_job(cluster: Cluster, work: Path, *args: str, **knobs: str) -> Job:
     return Job(job_id, env, output, work)
 
 
-def submit_both_jobs(cluster: Cluster, work: Path) -> dict[str, Job]:
-    """Both jobs, submitted together: the cluster runs them side by side (each node has room for two ranks), so the
-    second does not wait for the first's start-up. The toy script stands in for megatron: it prints one loss line
-    per iteration naming every rank's host, and honours the last --train-iters, here the positional one given to
-    sbatch. Their torchruns meet on node 1 at ports of their own."""
-    (work / "toy").mkdir(exist_ok=True)
-    (work / "pretrain").mkdir(exist_ok=True)
+def submit_jobs(cluster: Cluster, work: Path) -> dict[str, Job]:
+    """The jobs, submitted together: the cluster runs the first two side by side (each node has room for two ranks),
+    so the second does not wait for the first's start-up; the third (an example's tiny mode, two ranks per node)
+    starts when a core is free. The toy script stands in for megatron: it prints one loss line per iteration naming
+    every rank's host, and honours the last --train-iters, here the positional one given to sbatch. Their torchruns
+    meet on node 1 at ports of their own."""
+    for name in ("toy", "pretrain", "example"):
+        (work / name).mkdir(exist_ok=True)
     return {
         "toy": submit_job(cluster, work / "toy", "--train-iters", "3", PP="2", TRAIN_ITERS="7",
                           TRAIN_SCRIPT=str(TOY_SCRIPT), MASTER_PORT="29511"),
         "pretrain": submit_job(cluster, work / "pretrain", PP="2", TRAIN_ITERS="5", SCHEDULE="zb-h1", LR="1e-3"),
+        "example": submit_job(cluster, work / "example", EXAMPLE="mixtral_8x7b", NPROC_PER_NODE="2", TRAIN_ITERS="4",
+                              MASTER_PORT="29512"),
     }
 
 
@@ -237,7 +313,7 @@ def jobs(tmp_path_factory) -> tuple[Cluster, dict[str, Job]]:
     work = tmp_path_factory.mktemp("slurm")
     try:
         cluster = start_cluster()
-        yield cluster, ({} if cluster.failure else submit_both_jobs(cluster, work))
+        yield cluster, ({} if cluster.failure else submit_jobs(cluster, work))
     finally:
         subprocess.run(["bash", str(CLUSTER_SCRIPT), "stop"], capture_output=True, timeout=60)
 
@@ -275,4 +351,21 @@ def test_pretrain_gpt_pipeline_across_two_nodes_logs_every_iteration(jobs):
     iterations = re.findall(r"iteration\s+(\d+)/\s*5 \|.*\| lm loss: ([0-9.E+-]+)", printed)
     assert [int(i) for i, _ in iterations] == [1, 2, 3, 4, 5], output + printed
     assert all(0 < float(loss) < 10 for _, loss in iterations)  # ln(128) = 4.85 at the start
+
+
+def test_an_examples_tiny_mode_runs_across_two_nodes_through_sbatch(jobs):
+    """examples/mixtral_8x7b.sh's tiny mode (PP 2 x EP 2, 4 ranks, two per node) as EXAMPLE= with CPU=1 submits it,
+    its TRAIN_ITERS knob passed through the submitting environment."""
+    example = _job(jobs, "example")
+    state, exit_code, output = wait_job(example, 600)
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output
+    printed = rank_outputs(example.work)
+    assert "mixtral_8x7b: Mixtral 8x7B (4 layers, 8 experts top-2, sequence 64) at CPU size; TP 1 x PP 2 x DP 2 " \
+        "(EP 2) on 4 processes" in output
+    assert "using world size: 4" in printed, output + printed
+    assert re.search(r"expert_model_parallel_size \.+ 2\n", printed), output + printed
+    assert re.search(r"zero-bubble: running zb-auto \(p=2, m=8\)", printed), output + printed
+    iterations = re.findall(r"iteration\s+(\d+)/\s*4 \|.*\| lm loss: ([0-9.E+-]+) \| load_balancing_loss: ", printed)
+    assert [int(i) for i, _ in iterations] == [1, 2, 3, 4], output + printed
+    assert all(0 < float(loss) < 10 for _, loss in iterations)
 
