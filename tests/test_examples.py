@@ -21,11 +21,9 @@ from pathlib import Path
 import pytest
 
 from megatron.zero_bubble.training import arguments, devices
-from tests.markers import starts_in_background
-from tests.megatron import pretrain_driver as driver
+from tests.launching import free_port, launch_environment
 
-# Every test starts a process (the dry runs through a cache tests/markers.py does not read through)
-pytestmark = pytest.mark.launches
+pytestmark = pytest.mark.slow  # every example runs as a process (dry runs: bash; tiny runs: torchrun)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = REPO / "examples"
@@ -53,11 +51,11 @@ GPU_ONLY = {"--moe-grouped-gemm", "--multi-latent-attention", "--kv-lora-rank", 
 # ---------------------------------------------------------------- dry runs
 
 
-def run_example(name: str, *positional: str, **knobs: str) -> subprocess.CompletedProcess:
+def run_example(name: str, *positional: str, timeout: float = 30, **knobs: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in KNOBS}
     env.update(knobs)
     return subprocess.run(["bash", str(EXAMPLES_DIR / f"{name}.sh"), *positional], env=env, capture_output=True,
-                          text=True, timeout=30)
+                          text=True, timeout=timeout)
 
 
 @lru_cache(maxsize=None)
@@ -268,41 +266,18 @@ def start_up_cases() -> dict[str, tuple[list[str], int]]:
 TINY_RUNS = {"llama3_8b": ("CKPT",), "gpt3_175b": (), "mixtral_8x7b": (), "deepseek_moe": ()}  # CKPT: a directory
 
 
-def _start_launches(tmp_path_factory) -> list[driver.Background]:
-    """The start-up checks of the full-size commands (one process) and the four tiny runs one after another (each a
-    torchrun of 4 ranks, as a user starts it), started once."""
-    if "launches" not in _STARTED:
-        work = tmp_path_factory.mktemp("examples")
-        steps = []
-        for name, positional in TINY_RUNS.items():
-            args = " ".join(shlex.quote(str(work / f"{name}-ckpt") if word == "CKPT" else word) for word in positional)
-            steps.append(f"TINY=1 MASTER_PORT={driver.free_port()} bash examples/{name}.sh {args} "
-                         f">{work / name}.log 2>&1; echo $? >{work / name}.rc")
-        env = {knob: "" for knob in KNOBS} | {"TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-        _STARTED["launches"] = {
-            "checks": driver.start_refusals(start_up_cases(), str(work), timeout=600),
-            "tiny": driver.Background("tiny-examples", ["bash", "-c", "; ".join(steps)], str(work), timeout=1800,
-                                      env=env),
-        }
-        _STARTED["work"] = work
-    return list(_STARTED["launches"].values())
-
-
-_STARTED: dict = {}
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("examples")
 
 
 @pytest.fixture(scope="module")
-@starts_in_background(_start_launches)
-def launches(tmp_path_factory):
-    _start_launches(tmp_path_factory)
-    yield _STARTED["launches"], _STARTED["work"]
-    for launch in _STARTED.pop("launches").values():
-        launch.stop()
-
-
-@pytest.fixture(scope="module")
-def start_up_checks(launches) -> dict:
-    done = launches[0]["checks"].result()
+def start_up_checks(work) -> dict:
+    """The start-up checks of the full-size commands, every case in one process (tests/megatron/refusal_checks.py)."""
+    path = work / "cases.json"
+    path.write_text(json.dumps(start_up_cases()))
+    done = subprocess.run([sys.executable, "tests/megatron/refusal_checks.py", str(path)], cwd=REPO,
+                          env=launch_environment(), capture_output=True, text=True, timeout=600)
     line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
     assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     return json.loads(line[len("REFUSALS "):])
@@ -334,15 +309,15 @@ EXPECTED_LINES = {
 
 
 @pytest.fixture(scope="module")
-def tiny_runs(launches) -> dict[str, tuple[int | None, str, Path]]:
-    """name -> (exit status or None when it did not end, what it printed, its work directory)."""
-    done = launches[0]["tiny"].result()
-    work = launches[1]
+def tiny_runs(work) -> dict[str, tuple[int, str, Path]]:
+    """name -> (exit status, what it printed, its work directory): each tiny run a torchrun of 4 ranks, as a user
+    starts it, one after another."""
     results = {}
-    for name in TINY_RUNS:
-        rc_path, log_path = work / f"{name}.rc", work / f"{name}.log"
-        rc = int(rc_path.read_text()) if rc_path.exists() else None
-        results[name] = (rc, log_path.read_text() if log_path.exists() else done.stderr[-2000:], work)
+    for name, positional in TINY_RUNS.items():
+        args = [str(work / f"{name}-ckpt") if word == "CKPT" else word for word in positional]
+        done = run_example(name, *args, timeout=900, TINY="1", MASTER_PORT=str(free_port()),
+                           TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+        results[name] = (done.returncode, done.stdout + done.stderr, work)
     return results
 
 

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -209,9 +210,14 @@ class MegatronPatch:
 
 
 def module_functions(patch: MegatronPatch):
-    """A patch module's `install(*options)`, `uninstall()` and `installed()`, for its one patch object."""
-    def install(*options) -> None:
-        patch.install(*options)
+    """A patch module's `install(...)` (the arguments of its patch's `apply`, by position or name, defaults filled
+    in), `uninstall()` and `installed()`, for its one patch object."""
+    signature = inspect.signature(patch.apply)
+
+    def install(*options, **named) -> None:
+        bound = signature.bind(*options, **named)
+        bound.apply_defaults()
+        patch.install(*bound.args)
 
     def uninstall() -> None:
         patch.uninstall()
