@@ -101,12 +101,14 @@ class Background:
             self.process.wait()
 
 
-def start_driver(runs: dict[str, list[str]], work: str, nproc: int, timeout: float) -> Background:
-    """One torchrun of `nproc` ranks that runs pretrain_gpt.py with each command line of `runs` in turn."""
-    plan = os.path.join(work, "runs.json")
+def start_driver(runs: dict[str, list[str]], work: str, nproc: int, timeout: float, script: str = "pretrain_gpt",
+                 name: str = "driver") -> Background:
+    """One torchrun of `nproc` ranks that runs the entry script `script` (pretrain_gpt, pretrain_hybrid) with each
+    command line of `runs` in turn; `name` names its plan and output files in `work`."""
+    plan = os.path.join(work, f"{name}.json")
     with open(plan, "w") as f:
-        json.dump({"runs": runs, "out": work}, f)
-    return Background("driver", torchrun_command(nproc, [os.path.abspath(__file__), "drive", plan]), work, timeout)
+        json.dump({"runs": runs, "out": work, "script": script}, f)
+    return Background(name, torchrun_command(nproc, [os.path.abspath(__file__), "drive", plan]), work, timeout)
 
 
 def start_refusals(cases: dict[str, tuple[list[str], int]], work: str, timeout: float) -> Background:
@@ -186,14 +188,17 @@ def log_name(label: str, rank: int) -> str:
 
 
 def drive(plan_path: str) -> None:
-    """Run pretrain_gpt.main() once per run of the plan, each rank's output in its own file per run."""
+    """Run the plan's entry script's main() once per run of the plan, each rank's output in its own file per run."""
     sys.path.insert(0, REPO)
-    import pretrain_gpt  # installs the import shims and the CPU backend at import
+    import importlib
+
+    plan = json.load(open(plan_path))
+    script = plan.get("script", "pretrain_gpt")
+    entry = importlib.import_module(script)  # installs the import shims and the CPU backend at import
     import torch
 
     from tests.megatron import harness, process_groups
 
-    plan = json.load(open(plan_path))
     with process_groups.rank_groups():  # the peak during a run counts, not only what is left after it
         # WORLD before the first run (megatron keeps an initialised one), so ranks can agree on every run's end
         torch.distributed.init_process_group(harness.rank_device().backend, timeout=datetime.timedelta(minutes=10))
@@ -204,11 +209,11 @@ def drive(plan_path: str) -> None:
         for label, flags in plan["runs"].items():
             with open(os.path.join(plan["out"], log_name(label, rank)), "w") as out, \
                     contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                _drive_one(label, flags, pretrain_gpt.main)
+                _drive_one(label, flags, entry.main, f"{script}.py")
         torch.distributed.destroy_process_group()
 
 
-def _drive_one(label: str, flags: list[str], main) -> None:
+def _drive_one(label: str, flags: list[str], main, script: str = "pretrain_gpt.py") -> None:
     """One run on this rank, its output already redirected; then the lines the parent reads."""
     import torch
     from megatron.training.training import destroy_global_state
@@ -216,7 +221,7 @@ def _drive_one(label: str, flags: list[str], main) -> None:
     from tests.megatron import process_groups
 
     process_groups.now_running(label, reset_peak=True)
-    sys.argv = ["pretrain_gpt.py", *flags]
+    sys.argv = [script, *flags]
     started = time.monotonic()
     finished = _run(main)
     if not finished:  # its groups go first: a peer waiting on this rank in one of them fails too

@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from dataclasses import dataclass
 
 from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_options, ilp_schedules, layout_of,
@@ -17,6 +15,9 @@ from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
+from .paths import check_input_files, check_paths
+from .hybrid_checks import check_schedule_chunks
+from .hybrid_pattern import pattern_chunks, pattern_of
 from .te_checks import check_transformer_engine_split
 from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS, StartupRefusal,
                     cuda_available)
@@ -82,6 +83,8 @@ def chosen_schedule(args) -> tuple[str | None, str | None]:
 def _virtual_stages(args) -> int | None:
     """Model chunks per rank as megatron derives them from whichever virtual-pipeline flag is given."""
     p = max(1, args.pipeline_model_parallel_size)
+    if pattern_of(args):  # megatron's virtual pipeline size from the pattern's | segments
+        return pattern_chunks(pattern_of(args), p)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         return args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
@@ -119,73 +122,6 @@ def microbatches(args) -> int:
     data_parallel = max(1, args.world_size // model_parallel)
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     return max(1, global_batch // (args.micro_batch_size * data_parallel))
-
-
-def _remote(path: str) -> bool:
-    return "://" in path  # object storage (msc://, s3://): megatron's to reach
-
-
-def check_input_files(args) -> None:
-    """Files the run reads: megatron's indexed datasets (PREFIX.bin and PREFIX.idx for every --data-path
-    prefix), the data-args files and the tokenizer's vocabulary and merges."""
-    paths = []
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        paths += list(getattr(args, flag, None) or [])
-    for prefix in paths:
-        if _is_number(prefix) or _remote(prefix):
-            continue  # a blend weight
-        missing = [prefix + suffix for suffix in (".bin", ".idx") if not os.path.exists(prefix + suffix)]
-        if missing:
-            raise StartupRefusal(
-                f"--data-path: {', '.join(missing)} {'does not exist' if len(missing) == 1 else 'do not exist'}; "
-                f"pass the prefix of a megatron indexed dataset (PREFIX.bin and PREFIX.idx), or drop --data-path "
-                f"for mock data"
-            )
-    for name in ("data_args_path", "per_split_data_args_path", "vocab_file", "merge_file"):
-        path = getattr(args, name, None)
-        if path and not _remote(path) and not os.path.isfile(path):
-            flag = "--" + name.replace("_", "-")
-            what = "is a directory" if os.path.isdir(path) else "does not exist"
-            raise StartupRefusal(f"{flag} {path} {what}; pass an existing file or drop {flag}")
-
-
-# Directories the run writes into (megatron's and ours): created and written to once at start-up.
-WRITTEN_DIRECTORIES = ("zero_bubble_dump_schedule", "save", "tensorboard_dir", "data_cache_path")
-
-
-def check_paths(args) -> None:
-    """Directories the run writes into must be creatable and writable before anything starts."""
-    for name in WRITTEN_DIRECTORIES:
-        path = getattr(args, name, None)
-        if path and not _remote(path):
-            _writable_directory(path, "--" + name.replace("_", "-"))
-
-
-def _writable_directory(path: str, flag: str) -> None:
-    """Create `path` (with its parents) and write a file into it, or refuse naming the flag."""
-    fix = "pass a directory you can write to"
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({existing} is a file); {fix}")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        raise StartupRefusal(f"{flag} {path}: cannot create the directory ({error.strerror}); {fix}") from None
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".pretrain_gpt-write-check-"):
-            pass
-    except OSError as error:
-        raise StartupRefusal(f"{flag} {path}: cannot write into the directory ({error.strerror}); {fix}") from None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 # MoE options that need CUDA (the CPU backend runs megatron's local experts: SequentialMLP, alltoall/allgather).
@@ -249,6 +185,7 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
     p = args.pipeline_model_parallel_size
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
+    check_schedule_chunks(args, schedule, flag)  # a hybrid pattern's segments: refused in its own words
     vpp = _virtual_stages(args)
     _check_conflicts(args, schedule, flag)
     if layout_of(schedule) == "v":
@@ -342,8 +279,8 @@ def _check_v_layout(args, vpp, flag: str) -> None:
         what = ("--pipeline-model-parallel-layout names 2p stages" if args.pipeline_model_parallel_layout
                 else "drop the virtual pipeline flags")
         raise StartupRefusal(f"{flag} places exactly two model chunks per rank; {what}")
-    if args.pipeline_model_parallel_layout is not None or args.allow_padding_num_layers:
-        return  # megatron checks that the layout holds every layer; padding splits any count
+    if args.pipeline_model_parallel_layout is not None or args.allow_padding_num_layers or pattern_of(args):
+        return  # megatron checks that a layout holds every layer; padding splits any count; a pattern has 2p segments
     counted = (layers or 0) + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
     if layers is None or counted % (2 * p):
         extra = counted - (layers or 0)
