@@ -232,3 +232,17 @@ def test_a_plan_on_the_patterns_costs_runs_no_longer_than_one_that_counts_layers
         spans = [simulate(plan("zb-auto", PlanRequest(stages=4, microbatches=8, costs=costs, ilp_time_limit=0)),
                           by_kind).makespan for costs in (by_kind, counted)]
         assert spans[0] < spans[1] if faster else spans[0] <= spans[1], (pattern, spans)
+
+
+def test_mamba_and_gdn_stages_are_costed_from_megatrons_sizes_of_those_layers():
+    """Sizes as megatron's args name them (--mamba-num-heads, --linear-value-head-dim, ...) reach the cost model: a
+    wider Mamba or GDN layer costs more, and B does their scans' and delta rules' backward (no W for them)."""
+    narrow = _validated_args("MMMM|GGGG|*-*-", 3, None, mamba_num_heads=8, mamba_head_dim=64,
+                             linear_num_value_heads=8, linear_value_head_dim=64)
+    wide = _validated_args("MMMM|GGGG|*-*-", 3, None, mamba_num_heads=32, mamba_head_dim=64,
+                           linear_num_value_heads=32, linear_value_head_dim=64)
+    small, large = _first_costs(narrow, "zb-h1"), _first_costs(wide, "zb-h1")
+    for stage in (0, 1):
+        assert 0 < small.t_f[stage] < large.t_f[stage] and small.m_f[stage] < large.m_f[stage]
+        assert large.t_w[stage] < large.t_f[stage] < large.t_b[stage]
+    assert small.t_f[2] == large.t_f[2]  # the attention and MLP stage does not change

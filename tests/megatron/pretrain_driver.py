@@ -1,4 +1,5 @@
-"""Launches for tests/megatron/test_pretrain_gpt.py: many pretrain_gpt.py runs in one torchrun, and the refusals.
+"""Launches for tests/megatron/test_pretrain_gpt.py (and test_pretrain_hybrid.py): many runs of an entry script
+(pretrain_gpt.py, pretrain_hybrid.py) in one torchrun, and the refusals.
 
 Parent side (imports nothing of megatron):
     start_driver(runs, work, nproc, timeout) -> Background   one torchrun of this file in driver mode
@@ -8,7 +9,7 @@ Parent side (imports nothing of megatron):
     torchrun_command(nproc, args), launch_environment(), free_port()
 Rank side, as a script:
     python -m torch.distributed.run --nproc-per-node 4 pretrain_driver.py drive PLAN.json
-        imports pretrain_gpt.py once and calls its `main()` per run (command line in sys.argv, megatron's global
+        imports the plan's entry script (pretrain_gpt.py by default) once and calls its `main()` per run (command line in sys.argv, megatron's global
         state destroyed in between, as its in-process restart does), each rank's output in a file per run. A run
         that raises on any rank fails on every rank (they agree after each run) and the next run starts.
     python pretrain_driver.py refusals CASES.json

@@ -12,11 +12,12 @@ MLP, `*` followed by `-`):
   M_W = t (4h + 2 f1 + 2f). With f = 4h, `*` plus `-` is the paper's layer: F = t h (24h + 4s), B = t h (24h + 8s),
   W = 24 t h^2, M_B = t (34h + 5 a s), M_W = 32 t h.
 - `E` MoE: the router (2t h E, E experts), top-k copies of each token through an expert MLP and the shared experts.
-- `M` Mamba-2 (d = 2h inner width, N state size, G groups, d / head-dim heads): in_proj (h to 2d + 2GN + heads) and
-  out_proj (d to h); the scan is taken as 6 t d N FLOPs in F and twice that in B, which alone computes its weights'
-  gradients (convolution, A, D, dt).
-- `G` gated delta net: projections of key and value width h (h to 4h + 2a, h to h); the chunked delta rule is
-  taken as 6 t h (h / a) FLOPs in F, twice in B.
+- `M` Mamba-2 (inner width d = 2h, or heads x head size; N state size, G groups): in_proj (h to 2d + 2GN + heads)
+  and out_proj (d to h); the scan is taken as 6 t d N FLOPs in F and twice that in B, which alone computes its
+  weights' gradients (convolution, A, D, dt).
+- `G` gated delta net (key width k = key heads x key size, value width v = value heads x value size): in_proj (h to
+  2k + 2v + 2 value heads) and out_proj (v to h); the chunked delta rule is taken as 6 t v (key size) FLOPs in F,
+  twice in B.
 
 t = s b tokens of a microbatch; memory in bytes of 16-bit activations. These are estimates for the first plan:
 measured pass times replace them once the run has profiled (runtime/replan.py).
@@ -43,9 +44,14 @@ class LayerOptions:
     moe_topk: int = 1  # experts each token goes through
     moe_ffn_hidden: int | None = None  # an expert's width (None: ffn_hidden)
     moe_shared_ffn: int = 0  # the shared experts' width
-    mamba_state: int = 128  # megatron's --mamba-state-dim
+    mamba_state: int = 128  # megatron's --mamba-state-dim (its TransformerConfig's defaults here and below)
     mamba_head_dim: int = 64
     mamba_groups: int = 8
+    mamba_heads: int | None = None  # None: inner width 2h
+    gdn_key_head_dim: int = 128  # megatron's --linear-key-head-dim
+    gdn_value_head_dim: int = 128
+    gdn_key_heads: int = 16
+    gdn_value_heads: int = 32
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,7 @@ def _moe(x: _Shape) -> LayerWork:
 
 def _mamba(x: _Shape) -> LayerWork:
     o, t, h = x.options, x.t, x.h
-    inner = 2 * h
+    inner = o.mamba_heads * o.mamba_head_dim if o.mamba_heads else 2 * h
     conv = inner + 2 * o.mamba_groups * o.mamba_state
     in_width = inner + conv + max(1, inner // o.mamba_head_dim)
     linear, scan = 2 * t * h * in_width + 2 * t * inner * h, 6 * t * inner * o.mamba_state
@@ -115,11 +121,13 @@ def _mamba(x: _Shape) -> LayerWork:
 
 
 def _gated_delta_net(x: _Shape) -> LayerWork:
-    t, h, a = x.t, x.h, x.a
-    in_width = 4 * h + 2 * a
-    linear, rule = 2 * t * h * (in_width + h), 6 * t * h * max(1, h // a)
-    return LayerWork(linear + rule, linear + 2 * rule, linear, t * (2 * h + 2 * in_width + 10 * h),
-                     t * (4 * h + 2 * in_width + 2 * h))
+    o, t, h = x.options, x.t, x.h
+    keys, values = o.gdn_key_heads * o.gdn_key_head_dim, o.gdn_value_heads * o.gdn_value_head_dim
+    in_width = 2 * keys + 2 * values + 2 * o.gdn_value_heads
+    linear, rule = 2 * t * h * in_width + 2 * t * values * h, 6 * t * values * o.gdn_key_head_dim
+    return LayerWork(linear + rule, linear + 2 * rule, linear,
+                     t * (2 * h + 2 * in_width + 2 * (2 * keys + values) + 4 * values),
+                     t * (4 * h + 2 * in_width + 2 * values))
 
 
 _BY_KIND = {"*": _attention, "-": _mlp, "E": _moe, "M": _mamba, "G": _gated_delta_net}

@@ -91,7 +91,12 @@ def layer_options_of(args) -> LayerOptions:
         experts=getattr(args, "num_experts", None) or 0, moe_topk=getattr(args, "moe_router_topk", None) or 1,
         moe_ffn_hidden=getattr(args, "moe_ffn_hidden_size", None),
         moe_shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
-        **{name: value for name, value in (("mamba_state", getattr(args, "mamba_state_dim", None)),
-                                           ("mamba_head_dim", getattr(args, "mamba_head_dim", None)),
-                                           ("mamba_groups", getattr(args, "mamba_num_groups", None)))
-           if value is not None})
+        **{ours: getattr(args, theirs) for ours, theirs in _MEGATRON_SIZES.items()
+           if getattr(args, theirs, None) is not None})
+
+
+# LayerOptions' Mamba and GDN sizes: megatron's argument names
+_MEGATRON_SIZES = {"mamba_state": "mamba_state_dim", "mamba_head_dim": "mamba_head_dim",
+                   "mamba_groups": "mamba_num_groups", "mamba_heads": "mamba_num_heads",
+                   "gdn_key_head_dim": "linear_key_head_dim", "gdn_value_head_dim": "linear_value_head_dim",
+                   "gdn_key_heads": "linear_num_key_heads", "gdn_value_heads": "linear_num_value_heads"}
