@@ -141,3 +141,22 @@ def test_every_linear_weight_has_its_gradient_deferred_to_a_w_pass(reports, labe
 ])
 def test_each_rank_holds_the_layers_the_pattern_places_there_numbered_by_their_depth(reports, label, held):
     assert {r["pp_rank"]: r["layers"] for r in reports[label]} == held
+
+
+def test_megatrons_mamba_and_gdn_layers_project_through_the_te_modules_the_split_defers():
+    """What the GPU-only test_hybrid_gpu_layers.py relies on, read from megatron's hybrid spec here: Mamba's and GDN's
+    input and output projections are megatron's TE wrappers TELayerNormColumnParallelLinear (TE's LayerNormLinear) and
+    TERowParallelLinear (TE's Linear), kinds patches/te_wgrad.py splits, and neither is one it keeps in B."""
+    from megatron.zero_bubble.patches import imports, te_wgrad
+
+    imports.install()
+    from megatron.core.extensions import transformer_engine as megatron_te
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    mixer = hybrid_stack_spec.submodules.mamba_layer.submodules.mixer.submodules
+    gdn = hybrid_stack_spec.submodules.gdn_layer.submodules.self_attention.submodules
+    for projections in (mixer, gdn):
+        assert projections.in_proj is megatron_te.TELayerNormColumnParallelLinear
+        assert projections.out_proj is megatron_te.TERowParallelLinear
+    assert {"LayerNormLinear", "Linear"} <= set(te_wgrad.SPLIT_KINDS)
+    assert not {"TELayerNormColumnParallelLinear", "TERowParallelLinear"} & set(te_wgrad.KEEP_IN_B)
