@@ -2,7 +2,8 @@
 
 `check(args, argv)` runs on the parsed command line (before megatron validates it) and returns the
 `ZeroBubbleOptions` of the run, None for megatron's own schedule; every refusal is a `StartupRefusal`.
-`check_flags` and `check_paths`/`check_input_files` need no megatron and also run before its import (early.py).
+`check_flags` needs no megatron and also runs before its import (early.py), as do paths.py's checks of the files
+and directories and hybrid_checks.py's of a --hybrid-layer-pattern.
 """
 from __future__ import annotations
 
