@@ -227,8 +227,9 @@ def test_a_plan_on_the_patterns_costs_runs_no_longer_than_one_that_counts_layers
     for pattern, faster in (("*-*-|*-*-|*-*-|*-*-", False), ("**|*-*-*-|-----|-", True)):
         args = _validated_args(pattern, 4, None, hidden_size=1024, num_attention_heads=16)
         by_kind = _first_costs(args, "zb-auto")
+        counts = [len(stage) for stage in stage_layers(pattern, 4)]
         counted = Costs.from_model(layers=args.num_layers, hidden=1024, heads=16, seq_length=4096, micro_batch=1,
-                                   vocab=32000, num_virtual_stages=4, layer_counts=[len(s) for s in stage_layers(pattern, 4)])
+                                   vocab=32000, num_virtual_stages=4, layer_counts=counts)
         spans = [simulate(plan("zb-auto", PlanRequest(stages=4, microbatches=8, costs=costs, ilp_time_limit=0)),
                           by_kind).makespan for costs in (by_kind, counted)]
         assert spans[0] < spans[1] if faster else spans[0] <= spans[1], (pattern, spans)
