@@ -22,7 +22,18 @@ MEGATRON_ALLOWED = {
                  ("megatron.training.arguments", "parse_and_validate_args"),
                  ("megatron.training.arguments", "parse_args"),
                  ("megatron.training.vocab_utils", "calculate_padded_vocab_size"),
-                 ("megatron.core", "parallel_state")},
+                 ("megatron.core", "parallel_state"),
+                 # language_model.py: what pretrain_gpt.py and pretrain_hybrid.py share (megatron's GPT datasets, its
+                 # training loop and the helpers its own entry scripts use)
+                 ("megatron.core.datasets.blended_megatron_dataset_builder", "BlendedMegatronDatasetBuilder"),
+                 ("megatron.core.datasets.gpt_dataset", "GPTDataset"),
+                 ("megatron.core.datasets.gpt_dataset", "GPTDatasetConfig"),
+                 ("megatron.core.datasets.gpt_dataset", "MockGPTDataset"),
+                 ("megatron.core.enums", "ModelType"), ("megatron.core.utils", "get_attr_wrapped_model"),
+                 ("megatron.training", "pretrain"), ("megatron.training", "print_rank_0"),
+                 ("megatron.training.argument_utils", "pretrain_cfg_container_from_args"),
+                 ("megatron.training.utils", "get_blend_and_blend_per_split"),
+                 ("megatron.training.utils", "is_first_or_last_pipeline_stage")},
     "tools": set(),
     "advise": set(),  # but command_line.py: ADVISE_READS_MEGATRON
     "runtime": set(),

@@ -21,7 +21,7 @@ def _declared() -> dict[str, str]:
 
 
 def _third_party_imports() -> set[str]:
-    files = [*(REPO / "megatron" / "zero_bubble").rglob("*.py"), REPO / "pretrain_gpt.py"]
+    files = [*(REPO / "megatron" / "zero_bubble").rglob("*.py"), REPO / "pretrain_gpt.py", REPO / "pretrain_hybrid.py"]
     names = set()
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -84,12 +84,17 @@ class ModelSpec:
     qk_layernorm: bool = False  # a norm (of `normalization`) on the queries and keys of each head
     moe_layer_freq: int | tuple | None = None  # MoE on some layers only (megatron's decoder block spec); None: all
     mtp_num_layers: int | None = None  # multi-token prediction layers on the last stage (megatron's MTP block)
+    # A HybridModel of these layers (megatron's --hybrid-layer-pattern: *, -, E; | cuts the stages) instead of a GPT;
+    # its layers are pretrain_hybrid.py's local spec, num_layers the pattern's count
+    hybrid_pattern: str | None = None
 
     def config_overrides(self) -> dict:
         """The TransformerConfig settings this spec adds to the harness's defaults."""
         overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel,
                      "normalization": self.normalization, "ffn_hidden_size": self.ffn_hidden_size,
                      "qk_layernorm": self.qk_layernorm, "mtp_num_layers": self.mtp_num_layers}
+        if self.hybrid_pattern is not None:  # as megatron.training configures a hybrid model
+            overrides.update(num_layers=len(self.hybrid_pattern.replace("|", "")), is_hybrid_model=True)
         if self.swiglu:  # as megatron.training sets it for --swiglu
             overrides.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                              bias_activation_fusion=False)
@@ -304,6 +309,9 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = None if vpp is None else vp_stage
+        if spec.hybrid_pattern is not None:
+            chunks.append(_hybrid_chunk(spec, config, stage))
+            continue
         chunks.append(GPTModel(
             config=config, vocab_size=spec.vocab_size, max_sequence_length=spec.seq_length,
             transformer_layer_spec=spec.layer_spec(config, stage), mtp_block_spec=spec.mtp_spec(config, stage),
@@ -314,6 +322,27 @@ def build_gpt_chunks(spec: ModelSpec, init_seed: int = 0, **config_overrides) ->
         ))
     init_weights_by_global_name(chunks, init_seed)
     return chunks
+
+
+def _hybrid_chunk(spec: ModelSpec, config, vp_stage: int | None):
+    """One HybridModel chunk of pretrain_hybrid.py's local stack spec (imported in the rank: the entry script
+    installs the CPU backend, as every rank has it)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    import pretrain_hybrid
+
+    options = SimpleNamespace(normalization=spec.normalization, qk_layernorm=spec.qk_layernorm, qk_l2_norm=False,
+                              num_experts=spec.num_experts, moe_grouped_gemm=False)
+    return HybridModel(
+        config=config, hybrid_stack_spec=pretrain_hybrid.local_stack_spec(options), vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length, hybrid_layer_pattern=spec.hybrid_pattern,
+        position_embedding_type=spec.position_embedding_type, rotary_percent=spec.rotary_percent,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=spec.tie_embeddings, vp_stage=vp_stage)
 
 
 def global_param_names(chunk) -> dict[str, object]:

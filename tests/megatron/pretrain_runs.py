@@ -1,4 +1,4 @@
-"""pretrain_gpt.py runs for the tests, each a torchrun of its own that ends, as users launch it, and what they printed.
+"""pretrain_gpt.py (and pretrain_hybrid.py) runs for the tests, each a torchrun of its own that ends, as users launch it, and what they printed.
 
     Runs(definitions, work)[label] -> Run   launched on first use (once per test session), its dependencies first
     Run.log                                  every rank's output, rank after rank (torchrun's --log-dir)
@@ -34,6 +34,7 @@ class RunDefinition:
     nproc: int
     flags: list
     after: str | None = None  # the run whose checkpoint this one loads
+    script: str = "pretrain_gpt.py"  # or pretrain_hybrid.py
 
 
 class Runs:
@@ -56,7 +57,7 @@ class Runs:
             if definition.after is not None:
                 self[definition.after]  # its checkpoint first (and it must have succeeded)
             logs = os.path.join(self.work, "logs", label.replace("/", "_"))
-            done = torchrun(definition.nproc, ["--log-dir", logs, "--redirects", "3", "pretrain_gpt.py",
+            done = torchrun(definition.nproc, ["--log-dir", logs, "--redirects", "3", definition.script,
                                                *definition.flags], timeout=self.timeout)
             ranks = sorted(glob.glob(os.path.join(logs, "**", "attempt_0", "*", "std*.log"), recursive=True),
                            key=lambda path: (int(os.path.basename(os.path.dirname(path))), path))

@@ -9,9 +9,11 @@ times are in `time_unit` ("ms" or "s"), which every printed or drawn figure name
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Sequence
 
 from .errors import ScheduleError
+from .layer_costs import GPT_LAYER, LayerOptions, LayerWork, layer_work
 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # seconds per unit
 # Paper's activation-memory ratio M_W / M_B for a typical layer (32sbh vs ~sb(34h+5as)).
@@ -39,6 +41,27 @@ def even_layer_counts(layers: int, stages: int) -> list[int]:
     for v in order[:extra]:
         counts[v] += 1
     return counts
+
+
+def _stage_layers(layers: int, stages: int, counts: Sequence[int] | None,
+                  kinds: Sequence[str] | None) -> list[str]:
+    """Each virtual stage's layers by kind (a GPT layer is "t"), from `kinds` or from GPT layer counts."""
+    if kinds is not None:
+        if counts is not None:
+            raise ScheduleError("model shape: give the layers per virtual stage as counts or by kind, not both")
+        kinds = list(kinds)
+        if len(kinds) != stages or sum(map(len, kinds)) != layers:
+            raise ScheduleError(f"model shape: {stages} virtual stages holding {layers} layers, got stages {kinds}")
+        return kinds
+    counts = even_layer_counts(layers, stages) if counts is None else list(counts)
+    if len(counts) != stages or sum(counts) != layers or min(counts) < 0:
+        raise ScheduleError(f"model shape: {stages} virtual stages holding {layers} layers, got "
+                            f"layer counts {counts}")
+    return [GPT_LAYER * n for n in counts]
+
+
+def _scaled(work: LayerWork, factor: float) -> LayerWork:
+    return LayerWork(*(factor * getattr(work, name) for name in ("f", "b", "w", "m_b", "m_w")))
 
 
 def accounted_layer_counts(layers: int, stages: int, embedding: bool = False, loss: bool = False) -> list[int]:
@@ -120,6 +143,8 @@ class Costs:
         vocab: int,
         num_virtual_stages: int,
         layer_counts: Sequence[int] | None = None,
+        stage_layers: Sequence[str] | None = None,
+        layer_options: LayerOptions | None = None,
         flops_per_second: float = 125e12,
         link_bytes_per_second: float = 25e9,
         bytes_per_element: int = 2,
@@ -127,36 +152,35 @@ class Costs:
     ) -> "Costs":
         """Costs from the model shape with the paper's per-layer formulas, for planning before profiling.
 
-        Per layer: F ~ sbh(24h + 4s), B ~ sbh(24h + 8s), W ~ sbh(24h) FLOPs; M_B ~ sb(34h + 5as) and
+        Per GPT layer: F ~ sbh(24h + 4s), B ~ sbh(24h + 8s), W ~ sbh(24h) FLOPs; M_B ~ sb(34h + 5as) and
         M_W ~ 32sbh bytes (16-bit activations). The LM head (2sbhV FLOPs per pass, fp32 logits kept for
-        the loss) is added to the last virtual stage. `layer_counts` gives each virtual stage's layers
-        (an uneven layout); by default `even_layer_counts`. A stage without layers (only the embedding, say)
-        is planned as 1% of a layer, so that no pass has zero length. The default flops_per_second
-        reproduces the paper's profiled T_F of its 1.5B model on A100. Times come out in `time_unit`.
+        the loss) is added to the last virtual stage. `layer_counts` gives each virtual stage's GPT layers
+        (an uneven layout); by default `even_layer_counts`. `stage_layers` gives each virtual stage's layers by
+        kind instead (a hybrid model: "*-" an attention and an MLP layer, see layer_costs.py, whose
+        `layer_options` size them). A stage without layers (only the embedding, say) is planned as 1% of a GPT
+        layer, so that no pass has zero length. The default flops_per_second reproduces the paper's profiled T_F
+        of its 1.5B model on A100. Times come out in `time_unit`.
         """
         if min(layers, hidden, heads, seq_length, micro_batch, vocab, num_virtual_stages) < 1:
             raise ScheduleError("model shape: every size must be at least 1")
         if time_unit not in TIME_UNITS:
             raise ScheduleError(f"costs: time unit {time_unit!r} is not one of {', '.join(TIME_UNITS)}")
         flops_per_unit = flops_per_second * TIME_UNITS[time_unit]
-        s, b, h, a = seq_length, micro_batch, hidden, heads
-        counts = even_layer_counts(layers, num_virtual_stages) if layer_counts is None else list(layer_counts)
-        if len(counts) != num_virtual_stages or sum(counts) != layers or min(counts) < 0:
-            raise ScheduleError(f"model shape: {num_virtual_stages} virtual stages holding {layers} layers, got "
-                                f"layer counts {counts}")
-        counts = [n or _EMPTY_STAGE for n in counts]
+        s, b, h = seq_length, micro_batch, hidden
+        stage_layers = _stage_layers(layers, num_virtual_stages, layer_counts, stage_layers)
+        work = partial(layer_work, seq_length=s, micro_batch=b, hidden=h, heads=heads, options=layer_options)
+        empty = work(GPT_LAYER)
         sbh = s * b * h
-        f_layer, b_layer, w_layer = sbh * (24 * h + 4 * s), sbh * (24 * h + 8 * s), sbh * 24 * h
-        mb_layer, mw_layer = s * b * (34 * h + 5 * a * s), 32 * sbh
         head_flops = 2 * sbh * vocab
         t_f, t_b, t_w, m_f, m_w = [], [], [], [], []
-        for v, n in enumerate(counts):
+        for v, kinds in enumerate(stage_layers):
             head = v == num_virtual_stages - 1
-            t_f.append((n * f_layer + (head_flops if head else 0)) / flops_per_unit)
-            t_b.append((n * b_layer + (head_flops if head else 0)) / flops_per_unit)
-            t_w.append((n * w_layer + (head_flops if head else 0)) / flops_per_unit)
-            m_f.append(n * mb_layer + (4 * s * b * vocab + bytes_per_element * sbh if head else 0))
-            m_w.append(n * mw_layer + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
+            stage = sum((work(kind) for kind in kinds), LayerWork()) if kinds else _scaled(empty, _EMPTY_STAGE)
+            t_f.append((stage.f + (head_flops if head else 0)) / flops_per_unit)
+            t_b.append((stage.b + (head_flops if head else 0)) / flops_per_unit)
+            t_w.append((stage.w + (head_flops if head else 0)) / flops_per_unit)
+            m_f.append(stage.m_b + (4 * s * b * vocab + bytes_per_element * sbh if head else 0))
+            m_w.append(stage.m_w + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
         t_comm = bytes_per_element * sbh / link_bytes_per_second / TIME_UNITS[time_unit]
         return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes", time_unit)
 

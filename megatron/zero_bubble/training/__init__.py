@@ -7,6 +7,8 @@
   (`prepare_process()` at the top of the entry script; `zero_bubble_session(options)` around `pretrain`).
 - `init_weights.py`: initialisation by global parameter name, so that models split into different
   pipeline layouts start from the same weights (for layout-independent comparisons).
+- `language_model.py`: what the entry scripts share (data, batch, loss, forward step, main); `hybrid_checks.py` and
+  `hybrid_pattern.py`: --hybrid-layer-pattern's checks and layout.
 
-The entry script is `pretrain_gpt.py` at the repository root; nothing here runs on import.
+The entry scripts are `pretrain_gpt.py` and `pretrain_hybrid.py` at the repository root; nothing here runs on import.
 """

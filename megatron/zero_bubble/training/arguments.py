@@ -15,10 +15,12 @@ from ..schedules.planners import natural_chunks
 from .checks import ZeroBubbleOptions, padding_chunks
 from .checks import check as check_flags_and_schedule
 from .devices import place_ranks
+from .hybrid_checks import GPT, check_entry_model, check_layers, check_pattern, normalize
+from .hybrid_pattern import pattern_of
 from .layer_layout import padding_layout
 from .model_options import check_model_options
 from .early import EARLY_MEGATRON_FLAGS, check_early, early_check, early_parser
-from .flags import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StartupRefusal, add_arguments
+from .flags import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, StartupRefusal, add_arguments, cuda_available
 from .refusal import EXIT_REFUSED, refuse
 
 __all__ = ["EXIT_REFUSED", "PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "StartupRefusal", "ZeroBubbleOptions",
@@ -26,9 +28,14 @@ __all__ = ["EXIT_REFUSED", "PIPELINE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "St
            "megatron_defaults", "parse_and_validate", "refuse"]
 
 
-def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
-    """Every start-up check on the parsed command line: the model options (model_options.py), then the flags and the
-    schedule (checks.py's `check`, which returns the run's ZeroBubbleOptions, None for megatron's own schedule)."""
+def check(args, argv: list[str], model: str = GPT) -> ZeroBubbleOptions | None:
+    """Every start-up check on the parsed command line: the model the entry script builds (`model`: "gpt" or
+    "hybrid") and its options (model_options.py, hybrid_checks.py), then the flags and the schedule (checks.py's
+    `check`, which returns the run's ZeroBubbleOptions, None for megatron's own schedule)."""
+    check_entry_model(args, model)
+    normalize(args)  # the layer count and MTP depths a hybrid pattern gives, as megatron derives them
+    check_pattern(args)
+    check_layers(args, cuda_available())
     check_model_options(args)
     return check_flags_and_schedule(args, argv)
 
@@ -44,7 +51,7 @@ def megatron_defaults(options: ZeroBubbleOptions | None, args) -> dict:
         if layout is not None:  # the layout names the chunks per rank too (megatron takes no other count with it)
             return {"pipeline_model_parallel_layout": layout}
     laid_out = (args.num_virtual_stages_per_pipeline_rank, args.num_layers_per_virtual_pipeline_stage,
-                args.pipeline_model_parallel_layout)
+                args.pipeline_model_parallel_layout, pattern_of(args))  # a hybrid pattern's | give the chunks
     if schedule is None or natural_chunks(schedule) == 1 or any(value is not None for value in laid_out):
         return {}
     return {"num_virtual_stages_per_pipeline_rank": natural_chunks(schedule)}
@@ -61,8 +68,9 @@ def megatron_check_failed(failed: AssertionError) -> str:
             + (f" ({message})" if message else "") + "; change the flags it names")
 
 
-def parse_and_validate():
-    """megatron's parse_and_validate_args with the zero-bubble flags; refuses bad input with one line.
+def parse_and_validate(model: str = GPT):
+    """megatron's parse_and_validate_args with the zero-bubble flags, for the entry script building `model` ("gpt" or
+    "hybrid"); refuses bad input with one line.
 
     Returns (megatron's args, ZeroBubbleOptions or None for megatron's own schedule).
     """
@@ -70,7 +78,7 @@ def parse_and_validate():
 
     try:  # our parser's errors (megatron's flags included: see add_arguments) and the checks raise StartupRefusal
         parsed = parse_args(add_arguments)
-        options = check(parsed, sys.argv[1:])  # megatron's parse_args reads the same command line
+        options = check(parsed, sys.argv[1:], model)  # megatron's parse_args reads the same command line
         args = parse_and_validate_args(add_arguments, args_defaults=megatron_defaults(options, parsed))
     except StartupRefusal as refusal:
         refuse(str(refusal))

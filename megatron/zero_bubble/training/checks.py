@@ -2,7 +2,8 @@
 
 `check(args, argv)` runs on the parsed command line (before megatron validates it) and returns the
 `ZeroBubbleOptions` of the run, None for megatron's own schedule; every refusal is a `StartupRefusal`.
-`check_flags` and `check_paths`/`check_input_files` need no megatron and also run before its import (early.py).
+`check_flags` needs no megatron and also runs before its import (early.py), as do paths.py's checks of the files
+and directories and hybrid_checks.py's of a --hybrid-layer-pattern.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from .paths import check_input_files, check_paths
 from .post_validation_checks import check_post_validation
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
 from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
+from .hybrid_checks import check_schedule_chunks
+from .hybrid_pattern import pattern_chunks, pattern_of
 from .te_checks import check_transformer_engine_split
 from .flags import (DEFAULT_TIMERS, PIPELINE_SCHEDULES, SCHEDULE_ALIASES, SPLIT_BACKWARD_SCHEDULES, UNSUPPORTED_FLAGS,
                     StartupRefusal, cuda_available, given)
@@ -77,6 +80,8 @@ def chosen_schedule(args) -> tuple[str | None, str | None]:
 def _virtual_stages(args) -> int | None:
     """Model chunks per rank as megatron derives them from whichever virtual-pipeline flag is given."""
     p = max(1, args.pipeline_model_parallel_size)
+    if pattern_of(args):  # megatron's virtual pipeline size from the pattern's | segments
+        return pattern_chunks(pattern_of(args), p)
     if args.num_virtual_stages_per_pipeline_rank is not None:
         return args.num_virtual_stages_per_pipeline_rank
     if args.pipeline_model_parallel_layout is not None:
@@ -177,6 +182,7 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
     p = args.pipeline_model_parallel_size
     if p < 2:
         raise StartupRefusal(f"{flag} needs --pipeline-model-parallel-size of 2 or more (got {p})")
+    check_schedule_chunks(args, schedule, flag)  # a hybrid pattern's segments: refused in its own words
     vpp = _virtual_stages(args)
     _check_conflicts(args, schedule, flag)
     if layout_of(schedule) == "v":
@@ -270,8 +276,8 @@ def _check_v_layout(args, vpp, flag: str) -> None:
         what = ("--pipeline-model-parallel-layout names 2p stages" if args.pipeline_model_parallel_layout
                 else "drop the virtual pipeline flags")
         raise StartupRefusal(f"{flag} places exactly two model chunks per rank; {what}")
-    if args.pipeline_model_parallel_layout is not None or args.allow_padding_num_layers:
-        return  # megatron checks that the layout holds every layer; padding splits any count
+    if args.pipeline_model_parallel_layout is not None or args.allow_padding_num_layers or pattern_of(args):
+        return  # megatron checks that a layout holds every layer; padding splits any count; a pattern has 2p segments
     counted = (layers or 0) + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
     if layers is None or counted % (2 * p):
         extra = counted - (layers or 0)

@@ -11,9 +11,12 @@ import os
 import sys
 
 from ..schedules.planners import natural_chunks
-from .checks import nearest_multiples, check_flags, check_input_files, check_paths
+from .checks import nearest_multiples, check_flags
+from .paths import check_input_files, check_paths
 from .devices import check_device_choice
 from .flags import StartupRefusal, refuse_argparse_error, add_zero_bubble_flags
+from .hybrid_checks import GPT, check_entry_model, check_pattern, normalize
+from .hybrid_pattern import pattern_of
 from .refusal import refuse
 
 # Megatron's flags that the checks before megatron's import read, declared as megatron-core 0.19.2 declares
@@ -32,6 +35,8 @@ EARLY_MEGATRON_FLAGS = {
     "--account-for-embedding-in-pipeline-split": {"action": "store_true"},
     "--account-for-loss-in-pipeline-split": {"action": "store_true"},
     "--mtp-num-layers": {"type": int},
+    "--hybrid-layer-pattern": {"type": str},
+    "--hybrid-override-pattern": {"type": str},
     "--save": {"type": str},
     "--tensorboard-dir": {"type": str},
     "--data-cache-path": {},
@@ -62,19 +67,20 @@ def early_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def early_check(argv: list[str] | None = None) -> None:
+def early_check(argv: list[str] | None = None, model: str = GPT) -> None:
     """What can be refused before megatron is even imported (a second, not minutes, under torchrun): our flags'
     values and combinations, paths the run reads or writes, and model-parallel sizes that divide neither the
     processes nor the layers. Prints one line on rank 0 and exits 2 (see `refuse`)."""
     try:
-        check_early(sys.argv[1:] if argv is None else argv)
+        check_early(sys.argv[1:] if argv is None else argv, model)
     except StartupRefusal as refusal:
         refuse(str(refusal))
 
 
-def check_early(argv: list[str]) -> None:
-    """The checks of `early_check`; raises StartupRefusal."""
+def check_early(argv: list[str], model: str = GPT) -> None:
+    """The checks of `early_check` for the entry script building `model` ("gpt", "hybrid"); raises StartupRefusal."""
     args, _ = early_parser().parse_known_args(argv)
+    check_entry_model(args, model)
     if "--help" not in argv and "-h" not in argv:  # the help prints on any machine
         check_device_choice(args)
     check_paths(args)
@@ -82,6 +88,8 @@ def check_early(argv: list[str]) -> None:
     if args.yaml_cfg or args.use_checkpoint_args:
         return  # the sizes and the layer count may come from the YAML file or the checkpoint: megatron's to check
     _check_world_size(args)
+    normalize(args)  # a hybrid pattern's layer count
+    check_pattern(args)
     schedule, _ = check_flags(args)
     _check_layer_split(args, schedule)
 
@@ -103,8 +111,8 @@ def _check_layer_split(args, schedule: str | None) -> None:
     pp, layers = args.pipeline_model_parallel_size, args.num_layers
     if not layers or pp < 2 or args.num_layers_per_virtual_pipeline_stage is not None:
         return
-    if args.allow_padding_num_layers or any(getattr(args, name) for name in _UNEVEN_SPLIT):
-        return
+    if args.allow_padding_num_layers or any(getattr(args, name) for name in _UNEVEN_SPLIT) or pattern_of(args):
+        return  # a hybrid pattern's segments were checked by check_pattern
     chunks = args.num_virtual_stages_per_pipeline_rank or (natural_chunks(schedule) if schedule else 1)
     if layers % (pp * chunks):
         what = f"--pipeline-model-parallel-size {pp}"

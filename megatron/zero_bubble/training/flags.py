@@ -13,6 +13,7 @@ from ..runtime.faults import KINDS as FAULT_KINDS, parse_fault
 from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S
 from ..runtime.planning import DEVICE_MEMORY_SHARE
 from ..schedules.vbudget import MEM_SETUPS
+from .refusal import program
 
 # What pretrain_gpt.py offers; the facts live in the planning registry (planners.SCHEDULES).
 PIPELINE_SCHEDULES = pipeline_schedule_names()
@@ -213,7 +214,7 @@ def refuse_argparse_error(message: str):
     if message.startswith("argument "):
         message = message[len("argument "):]
     if message.startswith("unrecognized arguments"):
-        message += " (python pretrain_gpt.py --help lists every flag)"
+        message += f" (python {program()} --help lists every flag)"
     raise StartupRefusal(message)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 
 from ..schedules.costs import accounted_layer_counts, even_layer_counts
+from ..schedules.layer_costs import GPT_LAYER, LayerOptions
+from .hybrid_pattern import pattern_of, stage_layers
 
 # Megatron's flags that lay the layers out themselves (with --allow-padding-num-layers one layout is enough).
 LAYOUT_FLAGS = ("pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
@@ -69,3 +71,32 @@ def layer_counts_of(args, stages: int, chunks: int) -> list[int]:
         return [per_rank[v % stages] // chunks for v in range(total)]
     embedding, loss = bool(args.account_for_embedding_in_pipeline_split), bool(args.account_for_loss_in_pipeline_split)
     return accounted_layer_counts(layers, total, embedding, loss)
+
+
+def stage_layers_of(args, stages: int, chunks: int) -> list[str]:
+    """Each virtual stage's layers by kind, in virtual-stage order, for the planner's costs (schedules/layer_costs.py):
+    a hybrid pattern's characters where it places them, else GPT layers ("t") as megatron lays them out."""
+    pattern = pattern_of(args)
+    if pattern:
+        return stage_layers(pattern, stages, args.decoder_first_pipeline_num_layers,
+                            args.decoder_last_pipeline_num_layers)
+    return [GPT_LAYER * count for count in layer_counts_of(args, stages, chunks)]
+
+
+def layer_options_of(args) -> LayerOptions:
+    """The layer sizes megatron's (validated) args give the planner's costs."""
+    return LayerOptions(
+        ffn_hidden=getattr(args, "ffn_hidden_size", None), gated_mlp=bool(getattr(args, "swiglu", False)),
+        query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
+        experts=getattr(args, "num_experts", None) or 0, moe_topk=getattr(args, "moe_router_topk", None) or 1,
+        moe_ffn_hidden=getattr(args, "moe_ffn_hidden_size", None),
+        moe_shared_ffn=getattr(args, "moe_shared_expert_intermediate_size", None) or 0,
+        **{ours: getattr(args, theirs) for ours, theirs in _MEGATRON_SIZES.items()
+           if getattr(args, theirs, None) is not None})
+
+
+# LayerOptions' Mamba and GDN sizes: megatron's argument names
+_MEGATRON_SIZES = {"mamba_state": "mamba_state_dim", "mamba_head_dim": "mamba_head_dim",
+                   "mamba_groups": "mamba_num_groups", "mamba_heads": "mamba_num_heads",
+                   "gdn_key_head_dim": "linear_key_head_dim", "gdn_value_head_dim": "linear_value_head_dim",
+                   "gdn_key_heads": "linear_num_key_heads", "gdn_value_heads": "linear_num_value_heads"}

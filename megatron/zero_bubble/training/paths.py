@@ -1,4 +1,8 @@
-"""The files a run reads and the directories it writes, checked before anything starts (one line naming the flag)."""
+"""The files and directories a run reads and writes, checked at start-up (before megatron is imported, too).
+
+`check_input_files`: megatron's indexed datasets, the data-args files, the tokenizer's files exist;
+`check_paths`: the directories the run writes into can be created and written to. Refusals are StartupRefusals.
+"""
 from __future__ import annotations
 
 import os

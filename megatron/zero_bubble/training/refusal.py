@@ -23,7 +23,7 @@ def refuse(message: str) -> NoReturn:
     """
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+        print(f"{program()}: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_REFUSED)
 
     def stopped(signum, frame):
@@ -34,5 +34,10 @@ def refuse(message: str) -> NoReturn:
     except ValueError:  # not the main thread: the default (terminated by the signal) is as quiet
         pass
     time.sleep(REFUSAL_WAIT_S)
-    print(f"pretrain_gpt.py: error: {message} (rank {rank})", file=sys.stderr, flush=True)
+    print(f"{program()}: error: {message} (rank {rank})", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_REFUSED)
+
+
+def program() -> str:
+    """The entry script's name as argparse prints it (pretrain_gpt.py, pretrain_hybrid.py)."""
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain_gpt.py"

@@ -38,12 +38,13 @@ class ZeroBubbleSession:
             raise ValueError("ZeroBubbleSession: give schedule_for (fixed plans) or plan_settings (re-planning), not both")
 
     def install(self) -> "ZeroBubbleSession":
-        from ..patches import ddp_bucketing, schedule_selection, vshape_layout
+        from ..patches import ddp_bucketing, schedule_selection, vshape_hybrid, vshape_layout
         from ..patches.megatron_adapter import MegatronAdapter
 
         try:
             if self.v_stages is not None:
                 self._install(vshape_layout, self.v_stages)
+                self._install(vshape_hybrid, self.v_stages)  # a hybrid model's pattern segments in V order
             if self.bucket_every_stage:
                 self._install(ddp_bucketing)
             self.megatron = MegatronAdapter(te_layer_types=self.te_layer_types)

@@ -18,7 +18,7 @@ from ..schedules.planners import layout_of, natural_chunks
 from . import arguments
 from .arguments import SPLIT_BACKWARD_SCHEDULES, ZeroBubbleOptions
 from .session import ZeroBubbleSession
-from .layer_layout import layer_counts_of
+from .layer_layout import layer_options_of, stage_layers_of
 
 
 def prepare_process() -> None:
@@ -43,7 +43,8 @@ def prepare_process() -> None:
 
 
 def plan_settings(args, options: ZeroBubbleOptions):
-    """PlanSettings for the run: costs estimated from the model shape until measured ones replace them."""
+    """PlanSettings for the run: costs estimated from the model shape (each virtual stage's layers by kind, as the
+    layout or a hybrid pattern places them) until measured ones replace them."""
     from ..runtime.replan import PlanSettings
     from ..schedules.costs import Costs
 
@@ -52,7 +53,8 @@ def plan_settings(args, options: ZeroBubbleOptions):
     costs = Costs.from_model(
         layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
         seq_length=args.seq_length, micro_batch=args.micro_batch_size, vocab=args.padded_vocab_size,
-        num_virtual_stages=p * chunks, layer_counts=layer_counts_of(args, p, chunks),
+        num_virtual_stages=p * chunks, stage_layers=stage_layers_of(args, p, chunks),
+        layer_options=layer_options_of(args),
     )
     return PlanSettings(
         schedule=options.schedule, stages=p, chunks=chunks, memory_limit=options.memory_limit,
