@@ -47,8 +47,7 @@ def add_rehearse(commands, common, one_schedule_options) -> None:
                           "(every stage under a split schedule, the first only otherwise, as megatron) or forced "
                           "(default %(default)s)")
     sub.add_argument("--trace", metavar="FILE", default=None,
-                     help="also write the rehearsed timeline as Chrome trace JSON (open it in Perfetto or "
-                          "chrome://tracing): one thread per rank, each pass with its planned start")
+                     help="also write the timeline as Chrome trace JSON (Perfetto, chrome://tracing): a thread a rank")
     sub.add_argument("--gloo-p2p", action="store_true",
                      help="post the messages with gloo's own operations instead of the stand-in of NCCL's in-order "
                           "streams with rendezvous (default: the stand-in, as NCCL runs them)")

@@ -22,34 +22,22 @@ from .refusal import refuse
 # Megatron's flags that the checks before megatron's import read, declared as megatron-core 0.19.2 declares
 # them (same destination, type, nargs and action: tests compare them with megatron's parser), so that the
 # early parse reads them exactly as megatron will.
+_COUNTS = ("--num-layers", "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage",
+           "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--mtp-num-layers")
+_SIZES = ("--pipeline-model-parallel-size", "--tensor-model-parallel-size", "--context-parallel-size")  # default 1
+_STRINGS = ("--pipeline-model-parallel-layout", "--hybrid-layer-pattern", "--hybrid-override-pattern", "--save",
+            "--tensorboard-dir", "--data-args-path", "--per-split-data-args-path", "--vocab-file", "--merge-file",
+            "--yaml-cfg")
+_PATH_LISTS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+_SWITCHES = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+             "--use-checkpoint-args")
 EARLY_MEGATRON_FLAGS = {
-    "--num-layers": {"type": int},
-    "--pipeline-model-parallel-size": {"type": int, "default": 1},
-    "--tensor-model-parallel-size": {"type": int, "default": 1},
-    "--context-parallel-size": {"type": int, "default": 1},
-    "--num-virtual-stages-per-pipeline-rank": {"type": int},
-    "--num-layers-per-virtual-pipeline-stage": {"type": int},
-    "--decoder-first-pipeline-num-layers": {"type": int},
-    "--decoder-last-pipeline-num-layers": {"type": int},
-    "--pipeline-model-parallel-layout": {"type": str},
-    "--account-for-embedding-in-pipeline-split": {"action": "store_true"},
-    "--account-for-loss-in-pipeline-split": {"action": "store_true"},
-    "--mtp-num-layers": {"type": int},
-    "--hybrid-layer-pattern": {"type": str},
-    "--hybrid-override-pattern": {"type": str},
-    "--save": {"type": str},
-    "--tensorboard-dir": {"type": str},
-    "--data-cache-path": {},
-    "--data-path": {"nargs": "*"},
-    "--train-data-path": {"nargs": "*"},
-    "--valid-data-path": {"nargs": "*"},
-    "--test-data-path": {"nargs": "*"},
-    "--data-args-path": {"type": str},
-    "--per-split-data-args-path": {"type": str},
-    "--vocab-file": {"type": str},
-    "--merge-file": {"type": str},
-    "--yaml-cfg": {"type": str},
-    "--use-checkpoint-args": {"action": "store_true"},
+    **{flag: {"type": int} for flag in _COUNTS},
+    **{flag: {"type": int, "default": 1} for flag in _SIZES},
+    **{flag: {"type": str} for flag in _STRINGS},
+    "--data-cache-path": {},  # megatron declares it without a type
+    **{flag: {"nargs": "*"} for flag in _PATH_LISTS},
+    **{flag: {"action": "store_true"} for flag in _SWITCHES},
 }
 # Flags that lay the layers out unevenly over the stages: the divisibility of --num-layers is megatron's to check.
 _UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",

@@ -102,6 +102,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_WATCHDOG_HELP = ("A rank whose oldest pipeline message has been in flight this long prints where the pipeline "
+                  "stands (the message, its peer, the pass that needs it, the head of each link) and ends the job; "
+                  f"the other ranks print their own line too. Default {DEFAULT_WATCHDOG_TIMEOUT_S:g}, well under "
+                  "NCCL's own timeout; 0: off.")
+_FAULT_HELP = (f"Inject a fault on a global rank, to see the run stop cleanly: {', '.join(FAULT_KINDS)} (the split "
+               "check sees a difference on that rank only; that rank never posts its last activation or gradient "
+               "send of an iteration; that rank sleeps SECONDS, default 0.2, before each pass). May be given more "
+               "than once. For tests.")
+
+
 def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     """The zero-bubble flags and the entry script's own options (no megatron needed)."""
     group = parser.add_argument_group("zero bubble", "Zero-bubble pipeline schedules (Qi et al., ICLR 2024).")
@@ -178,16 +188,9 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        "state at each speculative step so that a rollback restores them bit for bit (default: "
                        "invert the update in place, exact to a few ulps, no extra memory).")
     group.add_argument("--zero-bubble-watchdog-timeout", type=_seconds, default=None, metavar="SECONDS",
-                       help=f"A rank whose oldest pipeline message has been in flight this long prints where the "
-                       f"pipeline stands (the message, its peer, the pass that needs it, the head of each link) and "
-                       f"ends the job; the other ranks print their own line too. Default "
-                       f"{DEFAULT_WATCHDOG_TIMEOUT_S:g}, well under NCCL's own timeout; 0: off.")
+                       help=_WATCHDOG_HELP)
     group.add_argument("--zero-bubble-inject-fault", type=_fault, action="append", default=None,
-                       metavar="KIND:RANK[:SECONDS]",
-                       help=f"Inject a fault on a global rank, to see the run stop cleanly: {', '.join(FAULT_KINDS)} "
-                       f"(the split check sees a difference on that rank only; that rank never posts its last "
-                       f"activation or gradient send of an iteration; that rank sleeps SECONDS, default 0.2, before each pass). "
-                       f"May be given more than once. For tests.")
+                       metavar="KIND:RANK[:SECONDS]", help=_FAULT_HELP)
     group.add_argument(ON_CPU, action="store_true",
                        help="Train on the CPU with gloo: slow, for trying zero bubble and for tests. Without it, a "
                        "machine where torch sees no CUDA device stops at start-up (a GPU node with a broken driver "
