@@ -34,7 +34,7 @@ from megatron.training.argument_utils import (  # noqa: E402
 )
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage  # noqa: E402
 
-from megatron.zero_bubble.training import arguments, setup  # noqa: E402
+from megatron.zero_bubble.training import arguments, setup, teardown  # noqa: E402
 from megatron.zero_bubble.training.init_weights import init_weights_by_global_name  # noqa: E402
 
 
@@ -171,5 +171,14 @@ def main():
                  model_provider=model_provider)
 
 
+def end_process() -> None:
+    """Every process group destroyed before the interpreter ends (training/teardown.py: else a gloo worker thread
+    that lags can abort the process at its very end)."""
+    import sys
+
+    teardown.end_distributed(log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
 if __name__ == "__main__":
     main()
+    end_process()
