@@ -182,60 +182,25 @@ def destroy_parallel_state(synchronize: bool = True) -> None:
     _destroy_groups(keep=set(), synchronize=synchronize)
 
 
-# The callables megatron's training loop stores on the model's TransformerConfig.
-_CONFIG_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
-                     "finalize_model_grads_func")
-
-
 def _release_training_cycles() -> None:
-    """Break a reference cycle the garbage collector cannot see, so a finished run's groups can go.
+    """The reference cycles the garbage collector cannot see, broken as a process's end breaks them
+    (training/teardown.py), so that a finished run's groups can go."""
+    from megatron.zero_bubble.training import teardown
 
-    With --use-distributed-optimizer: config.grad_scale_func -> optimizer -> its shard views of the
-    parameters (tensors with a grad_fn) -> C++ autograd nodes -> DDP's grad hooks -> model -> config. The
-    C++ edges are invisible to gc, so the model, optimizer and their process groups would live on.
-    With MoE: an MoE token dispatcher keeps its last forward's routing probabilities (`probs`, a tensor with
-    a grad_fn) -> C++ autograd nodes -> the router weight's grad hook (DDP) -> model -> dispatcher.
-    """
-    import sys
-
-    transformer_config = sys.modules.get("megatron.core.transformer.transformer_config")
-    if transformer_config is None:
-        return
-    token_dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
-    dispatcher_type = getattr(token_dispatcher, "MoETokenDispatcher", ())
-    for obj in gc.get_objects():
-        if isinstance(obj, transformer_config.TransformerConfig):
-            for name in _CONFIG_CALLBACKS:
-                if getattr(obj, name, None) is not None:
-                    object.__setattr__(obj, name, None)
-        elif isinstance(obj, dispatcher_type):
-            for name, value in list(vars(obj).items()):
-                if torch.is_tensor(value) and value.grad_fn is not None:
-                    setattr(obj, name, None)
+    teardown.release_training_cycles()
 
 
 def _destroy_megatron_state() -> None:
-    """megatron's destroy_model_parallel, except that it may not destroy groups (the harness does)."""
-    import sys
+    """megatron's destroy_model_parallel and the globals it forgets (training/teardown.py), except that it may not
+    destroy groups (the harness does)."""
+    from megatron.zero_bubble.training import teardown
 
-    parallel_state = sys.modules.get("megatron.core.parallel_state")  # never import megatron just for this
-    if parallel_state is None:
-        return
-    if parallel_state.model_parallel_is_initialized():
-        destroy_process_group = torch.distributed.destroy_process_group
-        torch.distributed.destroy_process_group = lambda group=None: None  # it destroys its gloo DP groups itself
-        try:
-            parallel_state.destroy_model_parallel()
-        finally:
-            torch.distributed.destroy_process_group = destroy_process_group
-    # megatron-core 0.19.2's destroy forgets a few globals (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]):
-    # a group referenced there outlives its destroy, threads and all
-    for name, value in list(vars(parallel_state).items()):
-        if name.isupper() and isinstance(value, torch.distributed.ProcessGroup):
-            setattr(parallel_state, name, None)
-    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
-    if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
-        moe_logging.destroy_moe_metrics_tracker()
+    destroy_process_group = torch.distributed.destroy_process_group
+    torch.distributed.destroy_process_group = lambda group=None: None  # it destroys its gloo DP groups itself
+    try:
+        teardown.forget_megatron_groups()
+    finally:
+        torch.distributed.destroy_process_group = destroy_process_group
 
 
 def _new_group_arguments(args: tuple, kwargs: dict) -> dict:

@@ -38,8 +38,11 @@ def end_distributed(log=None) -> None:
     forget_megatron_groups()
     release_training_cycles()
     dist.destroy_process_group()  # torch's references to every group, WORLD included
-    while gc.collect():  # groups held in reference cycles (model chunks and their process-group collections)
-        pass
+    gc.collect()  # groups held in reference cycles (model chunks and their process-group collections)
+    for _ in range(2):  # what the first collection's finalizers let go, where anything is left
+        if not gloo_threads():
+            break
+        gc.collect()
     left = gloo_threads()
     if left and log is not None:
         log(f"zero-bubble: {left} gloo threads outlive the process groups' teardown (a reference to a group is "
@@ -62,7 +65,7 @@ def forget_megatron_groups() -> None:
         if name.isupper() and isinstance(value, dist.ProcessGroup):
             setattr(parallel_state, name, None)
     moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
-    if moe_logging is not None:
+    if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
         moe_logging.destroy_moe_metrics_tracker()
 
 
