@@ -173,12 +173,20 @@ def main():
 
 def end_process() -> None:
     """Every process group destroyed before the interpreter ends (training/teardown.py: else a gloo worker thread
-    that lags can abort the process at its very end)."""
+    that lags can abort the process at its very end). Only after a run that ended well on this rank."""
     import sys
 
     teardown.end_distributed(log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 if __name__ == "__main__":
-    main()
+    status = None
+    try:
+        main()
+    except SystemExit as stop:  # megatron's early exits (--exit-interval, --exit-duration-in-mins) end well too
+        if stop.code not in (None, 0):
+            raise
+        status = stop.code  # the exception goes at the end of this block, and its traceback's frames (which hold
+        # the model, its groups among them) with it
     end_process()
+    raise SystemExit(status)
