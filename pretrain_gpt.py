@@ -28,7 +28,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 from megatron.training import get_args, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import core_transformer_config_from_args  # noqa: E402
 
-from megatron.zero_bubble.training import language_model  # noqa: E402
+from megatron.zero_bubble.training import language_model, teardown  # noqa: E402
 from megatron.zero_bubble.training.init_weights import init_weights_by_global_name  # noqa: E402
 
 
@@ -106,4 +106,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    teardown.run_to_end(main)  # every process group destroyed before the interpreter ends

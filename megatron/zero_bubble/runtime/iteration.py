@@ -140,6 +140,11 @@ def forward_only_schedule(schedule: Schedule) -> Schedule:
     return Schedule(schedule.stages, schedule.chunks, schedule.microbatches, schedule.layout, ranks, schedule.name)
 
 
+# The method of each compute pass, by name: bound methods kept on the iteration would make it a reference cycle, left
+# for the garbage collector with all it holds (megatron's data iterators among them) after its call.
+_COMPUTE_PASS = {Op.F: "forward", Op.B: "backward", Op.BW: "backward", Op.W: "weight"}
+
+
 @dataclass
 class Iteration:
     """The state of one forward-backward call of one rank: tensors in flight between its passes."""
@@ -170,7 +175,6 @@ class Iteration:
         self.last_vstage = self.schedule.num_virtual_stages - 1
         # each chunk's last backward pass: megatron's gradient sync for the chunk starts right before it
         self.last_backward = {p.chunk: p for p in self.schedule.ranks[self.rank] if p.op in (Op.B, Op.BW)}
-        self._compute_pass = {Op.F: self.forward, Op.B: self.backward, Op.BW: self.backward, Op.W: self.weight}
 
     def run(self, program: list) -> None:
         settle = self.settle
@@ -198,7 +202,7 @@ class Iteration:
                     time.sleep(self.faults.delay_s)  # a slow rank, on purpose
                 self.transport.reap_sends()
                 self._await_inputs(item)
-                self._observed(item, self._compute_pass[item.op], compute=True)
+                self._observed(item, getattr(self, _COMPUTE_PASS[item.op]), compute=True)
                 self._account(item)
         settle()
         self.transport.finish()

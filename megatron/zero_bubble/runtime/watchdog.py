@@ -43,7 +43,12 @@ class PipelineWatchdog:
             self._thread.start()
 
     def close(self) -> None:
+        """Stop the thread and wait for it: one left inside a call into torch (the store) when the interpreter
+        ends would be ended by it mid-call, which aborts the process (training/teardown.py)."""
         self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=GRACE_S + 2.0)  # it wakes at once, unless it is reporting (then it ends the process)
 
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 10)

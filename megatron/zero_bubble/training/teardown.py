@@ -1,0 +1,125 @@
+"""The end of a training process: every process group destroyed while the interpreter is still whole.
+
+megatron's `pretrain()` returns with its process groups alive, and megatron's example scripts then let the
+interpreter end, so the groups die during its finalization. A gloo group runs each collective on a C++ worker thread
+of its own, and that thread lets go of the collective's tensors only after the rank has seen the collective complete.
+A tensor whose Python object the rank has dropped by then has its Python object released on the worker thread, which
+must take the GIL for it. Once the interpreter is finalizing, CPython (3.11) ends a thread that asks for the GIL with
+`pthread_exit`, whose unwinding stops at a C++ frame that may not throw: `std::terminate`, "terminate called without
+an active exception", SIGABRT and torchrun's exit status 1, after a run that trained, evaluated and saved. It takes a
+worker that lags the rank's main thread from the rank's last collective (megatron's timers, tens of milliseconds before
+the end) to the interpreter's end, which a loaded machine makes happen now and then (docs/clean-exit.md).
+
+`run_to_end(main)` is how the entry scripts run. Its `end_distributed()` ends the process as megatron's own orderly
+shutdown does (its exit on a termination signal): a barrier, so that no peer is still in a collective with this rank,
+then every group destroyed. A gloo group's threads stop only with its last reference, so megatron's references go
+first, then torch's, then the reference cycles that hold the rest. torch releases the GIL while a group's destructor
+joins its workers, so a worker that still needs the GIL gets it.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+# The callables megatron's training loop stores on the model's TransformerConfig (see release_training_cycles).
+_CONFIG_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+                     "finalize_model_grads_func")
+
+
+def run_to_end(main) -> None:
+    """An entry script's `main()`, then, if it ended well (megatron's early exits by --exit-interval and
+    --exit-duration-in-mins included), every process group destroyed before the interpreter ends. A run that failed
+    ends as before: destroying a group could wait for a peer that is gone."""
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    # past the except block the exception has gone, and with its traceback the frames that held the model's groups
+    end_distributed(log=lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def end_distributed(log=None) -> None:
+    """After a run that ended well on this rank: barrier, megatron's parallel state, every process group destroyed.
+    `log` gets one line if gloo threads outlive it (something still holds a group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()  # every rank has left its last collective: destroying a group strands no peer in it
+    forget_megatron_groups()
+    release_training_cycles()
+    dist.destroy_process_group()  # torch's references to every group, WORLD included
+    gc.collect()  # groups held in reference cycles (model chunks and their process-group collections)
+    for _ in range(2):  # what the first collection's finalizers let go, where anything is left
+        if not gloo_threads():
+            break
+        gc.collect()
+    left = gloo_threads()
+    if left and log is not None:
+        log(f"zero-bubble: {left} gloo threads outlive the process groups' teardown (a reference to a group is "
+            f"still held); the process may abort as it exits")
+
+
+def forget_megatron_groups() -> None:
+    """megatron's `destroy_model_parallel` (which also destroys its gloo data-parallel groups), then the globals it
+    forgets, and the MoE metrics tracker that names groups. Nothing where megatron was never imported."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None:
+        return
+    import torch.distributed as dist
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    # megatron-core 0.19.2's destroy forgets _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]: a group referenced
+    # there outlives it, threads and all
+    for name, value in list(vars(parallel_state).items()):
+        if name.isupper() and isinstance(value, dist.ProcessGroup):
+            setattr(parallel_state, name, None)
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
+        moe_logging.destroy_moe_metrics_tracker()
+
+
+def release_training_cycles() -> None:
+    """Break the reference cycles the garbage collector cannot see, so that a finished run's groups can go.
+
+    With --use-distributed-optimizer: config.grad_scale_func -> optimizer -> its shard views of the parameters
+    (tensors with a grad_fn) -> C++ autograd nodes -> DDP's grad hooks -> model -> config. The C++ edges are invisible
+    to gc, so the model, optimizer and their process groups would live on. With MoE: a token dispatcher keeps its
+    last forward's routing probabilities (a tensor with a grad_fn) -> C++ autograd nodes -> the router weight's grad
+    hook (DDP) -> model -> dispatcher.
+    """
+    transformer_config = sys.modules.get("megatron.core.transformer.transformer_config")
+    if transformer_config is None:
+        return
+    import torch
+
+    token_dispatcher = sys.modules.get("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher_type = getattr(token_dispatcher, "MoETokenDispatcher", ())
+    for obj in gc.get_objects():
+        if isinstance(obj, transformer_config.TransformerConfig):
+            for name in _CONFIG_CALLBACKS:
+                if getattr(obj, name, None) is not None:
+                    object.__setattr__(obj, name, None)
+        elif isinstance(obj, dispatcher_type):
+            for name, value in list(vars(obj).items()):
+                if torch.is_tensor(value) and value.grad_fn is not None:
+                    setattr(obj, name, None)
+
+
+def gloo_threads() -> int:
+    """How many threads of gloo groups this process has (their names: pt_gloo_runloop, gloo_tcp_loop; Linux only)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().startswith(("pt_gloo", "gloo"))
+        except OSError:
+            continue
+    return count
