@@ -1,13 +1,13 @@
 // Fault injection (LD_PRELOAD; Linux, glibc): the gloo worker thread of a process's last collective lags until the
 // process ends, as a preempted thread sometimes does on a loaded machine. Used by benchmarks/clean_exit.py and
-// tests/megatron/test_clean_exit.py, with sitecustomize.py beside it.
+// tests/megatron/test_clean_exit.py, with release_at_exit.py beside it.
 //
 // A gloo group runs each collective on a worker thread of its own: c10d::ProcessGroupGloo::AsyncWork::execute runs
 // the collective and completes its future (the rank waiting on it goes on), then the worker lets go of the work and
 // its tensors, taking the GIL where a tensor owns a Python object the rank has dropped. This library stands in for
 // execute (libtorch_cpu calls it through its PLT): after torch's execute returns, the worker is held until one of:
 // another collective of the process completes, a thread joins it (its group is being destroyed),
-// the last exit handler runs (sitecustomize.py calls lagging_gloo_worker_exit() just before the interpreter
+// the last exit handler runs (release_at_exit.py calls lagging_gloo_worker_exit() just before the interpreter
 // finalizes), or LAG_MS milliseconds (default 10000) pass. So the worker of the process's last collective lets go of
 // its tensors only at the end. The exit handler keeps the GIL a few milliseconds, so that this worker waits for the GIL
 // while the interpreter starts finalizing. A process whose groups are alive then aborts as such a process does; one

@@ -33,14 +33,21 @@ GPT3_SHAPED = (
 ).split()
 SCHEDULES = {"1f1b": [], "zb-h1": ["--pipeline-schedule", "zb-h1"]}  # megatron's own 1F1B; ours through the runtime
 LAGGING_WORKER = os.path.join(REPO, "benchmarks", "lagging_gloo_worker")
-# main() alone, then the interpreter ends (megatron's ending). A module, not `-c`: megatron's checkpoint writer
-# starts a process that imports the main module again, which must not train again.
-MEGATRON_ENDING = '''import sys
-sys.path.insert(0, {repo!r})
+# The entry file of a launch that is not pretrain_gpt.py itself: with the lagging worker injected, its exit handler is
+# registered first (so that it runs last); with megatron's ending, main() alone, then the interpreter ends. A file, not
+# `-c`: megatron's checkpoint writer starts a process that imports the main module again, which must not train again.
+ENTRY = '''import sys
+sys.path[:0] = [{repo!r}, {lagging!r}]
 if __name__ == "__main__":
+    if {inject!r}:
+        import release_at_exit  # noqa: F401
     sys.argv[0] = {entry!r}
-    import pretrain_gpt
-    pretrain_gpt.main()
+    if {megatron_ending!r}:
+        import pretrain_gpt
+        pretrain_gpt.main()
+    else:
+        import runpy
+        runpy.run_path({entry!r}, run_name="__main__")
 '''
 TERMINATE = "terminate called"
 FINISHED = re.compile(r"validation loss at iteration 6 on test set")  # the last line a run that ended well prints
@@ -81,17 +88,18 @@ def launch(work: str, schedule: str, ending: str = "pretrain_gpt.py", lagging_wo
     """One torchrun of 4 ranks of pretrain_gpt.py, its checkpoint under `work` (made afresh)."""
     save = os.path.join(work, "checkpoint")
     shutil.rmtree(save, ignore_errors=True)
-    entry = os.path.join(REPO, "pretrain_gpt.py")
-    if ending == "megatron":
-        entry = os.path.join(work, "megatron_ending.py")
-        with open(entry, "w") as f:
-            f.write(MEGATRON_ENDING.format(repo=REPO, entry=os.path.join(REPO, "pretrain_gpt.py")))
-    elif ending != "pretrain_gpt.py":
+    if ending not in ("pretrain_gpt.py", "megatron"):
         raise ValueError(f"ending: 'pretrain_gpt.py' or 'megatron', not {ending!r}")
+    entry = os.path.join(REPO, "pretrain_gpt.py")
     env = launch_environment()
+    if ending == "megatron" or lagging_worker is not None:
+        wrapper = os.path.join(work, "entry.py")
+        with open(wrapper, "w") as f:
+            f.write(ENTRY.format(repo=REPO, lagging=LAGGING_WORKER, inject=lagging_worker is not None, entry=entry,
+                                 megatron_ending=ending == "megatron"))
+        entry = wrapper
     if lagging_worker is not None:
         env["LD_PRELOAD"] = " ".join(filter(None, [lagging_worker, env.get("LD_PRELOAD")]))
-        env["PYTHONPATH"] = LAGGING_WORKER + os.pathsep + env["PYTHONPATH"]  # its sitecustomize.py
     command = torchrun_command(4, [entry, *GPT3_SHAPED, *SCHEDULES[schedule], "--save", save])
     start = time.monotonic()
     try:

@@ -1,5 +1,6 @@
-"""With lagging_gloo_worker.so preloaded (LD_PRELOAD): the exit handler that runs last, just before the interpreter
-finalizes, lets the held-back gloo workers go (lagging_gloo_worker.c says why). On PYTHONPATH for the ranks only."""
+"""With lagging_gloo_worker.so preloaded (LD_PRELOAD): an exit handler, registered before any other so that it runs
+last, just before the interpreter finalizes, lets the held-back gloo workers go (lagging_gloo_worker.c says why).
+Imported first by the entry file that tests/megatron/exits.py writes for a run with the injection."""
 import atexit
 import ctypes
 import os
@@ -16,4 +17,4 @@ def _let_workers_go() -> None:
     release(HOLD_MS)
 
 
-atexit.register(_let_workers_go)  # registered first, so it runs last
+atexit.register(_let_workers_go)
