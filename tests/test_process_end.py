@@ -1,4 +1,5 @@
-"""The pieces of a clean process end, in this process (tests/megatron/test_clean_exit.py launches whole runs).
+"""The pieces of a clean process end that need no process of their own (tests/megatron/test_clean_exit.py counts a
+process's gloo threads at its end, and launches whole runs).
 
 training/teardown.py destroys every process group before the interpreter ends, so that no gloo worker thread is left
 to take the GIL while it finalizes; the pipeline watchdog's thread is joined when it closes; an iteration of the
@@ -7,7 +8,6 @@ runtime is no reference cycle, so what it holds (megatron's data iterators) goes
 from __future__ import annotations
 
 import gc
-import sys
 import types
 import weakref
 
@@ -19,61 +19,6 @@ from megatron.zero_bubble.runtime.watchdog import PipelineWatchdog
 from megatron.zero_bubble.schedules.planners import plan
 from megatron.zero_bubble.schedules.problem import PlanRequest
 from megatron.zero_bubble.training import teardown
-
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads by name in /proc")
-
-
-@pytest.fixture
-def one_rank_gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@pytest.fixture
-def megatron_state(monkeypatch):
-    """A stand-in for megatron.core.parallel_state as a run leaves it: destroy_model_parallel drops what it knows,
-    and forgets one global (as megatron-core 0.19.2 forgets _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO)."""
-    state = types.ModuleType("megatron.core.parallel_state")
-    state._DATA_PARALLEL_GROUP_GLOO = None
-    state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = None
-    state.model_parallel_is_initialized = lambda: state._DATA_PARALLEL_GROUP_GLOO is not None
-
-    def destroy_model_parallel():
-        dist.destroy_process_group(state._DATA_PARALLEL_GROUP_GLOO)  # megatron destroys its gloo groups itself
-        state._DATA_PARALLEL_GROUP_GLOO = None
-
-    state.destroy_model_parallel = destroy_model_parallel
-    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", state)
-    return state
-
-
-@linux_only
-def test_the_end_of_a_process_leaves_no_gloo_thread_and_says_nothing(one_rank_gloo, megatron_state):
-    megatron_state._DATA_PARALLEL_GROUP_GLOO = dist.new_group([0], backend="gloo")
-    megatron_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = dist.new_group([0], backend="gloo")
-    assert teardown.gloo_threads() > 0  # each group's TCP loop and workers
-    lines = []
-    teardown.end_distributed(log=lines.append)
-    assert not dist.is_initialized()
-    assert megatron_state._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO is None  # the forgotten global too
-    assert teardown.gloo_threads() == 0 and lines == []
-
-
-@linux_only
-def test_a_group_still_held_at_the_end_is_reported_in_one_line(one_rank_gloo, megatron_state):
-    held = [dist.new_group([0], backend="gloo")]  # a reference the teardown cannot know of
-    lines = []
-    teardown.end_distributed(log=lines.append)
-    left = teardown.gloo_threads()
-    assert left > 0
-    assert lines == [f"zero-bubble: {left} gloo threads outlive the process groups' teardown (a reference to a group "
-                     f"is still held); the process may abort as it exits"]
-    held.clear()
-    gc.collect()
-    assert teardown.gloo_threads() == 0
-
 
 def test_the_end_of_a_process_without_torch_distributed_does_nothing():
     assert not dist.is_initialized()

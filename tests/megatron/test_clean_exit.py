@@ -11,7 +11,42 @@ from __future__ import annotations
 
 import pytest
 
+import json
+import subprocess
+import sys
+
+from tests.launching import REPO, launch_environment
 from tests.megatron import exits
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads by name in /proc")
+
+
+def _end_of_a_process(scenario: str, tmp_path) -> dict:
+    """tests/megatron/teardown_child.py in a process of its own (its gloo threads are counted process-wide)."""
+    done = subprocess.run([sys.executable, "tests/megatron/teardown_child.py", scenario, str(tmp_path / "store")],
+                          cwd=REPO, env=launch_environment(), capture_output=True, text=True, timeout=120)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@linux_only
+def test_the_end_of_a_process_leaves_no_gloo_thread_and_says_nothing(tmp_path):
+    """megatron's groups, the one its destroy forgets, torch's: all destroyed, their threads joined, no line."""
+    result = _end_of_a_process("all-destroyed", tmp_path)
+    assert result["before"] > 0  # each group's TCP loop and workers
+    assert not result["initialized"] and result["forgotten_global"]
+    assert result["left"] == 0 and result["lines"] == []
+
+
+@linux_only
+def test_a_group_still_held_at_the_end_is_reported_in_one_line(tmp_path):
+    result = _end_of_a_process("one-held", tmp_path)
+    left = result["left"]
+    assert left > 0
+    assert result["lines"] == [f"zero-bubble: {left} gloo threads outlive the process groups' teardown (a reference "
+                               f"to a group is still held); the process may abort as it exits"]
+    assert result["after_release"] == 0
 
 
 def _assert_clean(launch: exits.Launch) -> None:
