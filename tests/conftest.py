@@ -3,7 +3,7 @@
 - slow: every test under tests/megatron/ and tests/slurm/ (they start processes: forked ranks, torchrun, a SLURM
   cluster), and tests elsewhere that start processes, marked by hand. Plain `pytest` runs the rest, the quick
   subset (pytest.ini's addopts); `bash scripts/test.sh` runs everything.
-- exactness: runs compared number for number; CI runs them again under a second instruction set (.ci/run).
+- exactness: the harness's tensors compared bit for bit; CI runs them again under a second instruction set (.ci/run).
 - cuda, transformer_engine: skipped, with the reason, where CUDA or Transformer Engine is missing.
 """
 from __future__ import annotations

@@ -4,7 +4,8 @@ the count must not see groups that other tests of the same process left behind.
     python tests/megatron/teardown_child.py all-destroyed|one-held STORE_FILE
 
 megatron.core.parallel_state is a stand-in here, as a run leaves it: destroy_model_parallel destroys its gloo group,
-and one group stays in a global it forgets (as megatron-core 0.19.2 forgets _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO).
+and one group stays in a global it forgets (as megatron-core 0.19.2 forgets
+_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO).
 Prints one line: RESULT followed by JSON.
 """
 from __future__ import annotations

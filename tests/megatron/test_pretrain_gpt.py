@@ -19,7 +19,8 @@ import pytest
 from tests.megatron.pretrain_runs import (RunDefinition, Runs, iteration_figures, iteration_lines, parameters_per_rank,
                                           resumes_like, same_training, same_validation, validation_losses)
 
-pytestmark = pytest.mark.exactness
+# Not marked `exactness`: CI's second pass under the baseline instruction set re-runs the harness's tensor-for-tensor
+# cases, which go through the same runtime paths; these launches compare megatron's printed figures once.
 
 ITERS = 5
 MODEL = (

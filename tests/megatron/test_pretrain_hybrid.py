@@ -63,14 +63,12 @@ def runs(work_dir) -> Runs:
 ITERATIONS = range(1, ITERS + 1)
 
 
-@pytest.mark.exactness
 def test_zb_auto_on_a_pattern_prints_megatrons_losses_and_norms(runs):
     same_training(runs["uneven/zb-auto"], runs["uneven/megatron"], ITERATIONS)
     same_validation(runs["uneven/zb-auto"], runs["uneven/megatron"])
     assert "zero-bubble:" not in runs["uneven/megatron"]
 
 
-@pytest.mark.exactness
 @pytest.mark.parametrize("run, schedule", [("two-chunks/zb-auto", "zb-auto (p=2, m=8, 2 chunks per rank)"),
                                            ("v/zb-v", "zb-v (p=2, m=8, 2 chunks per rank)")])
 def test_two_chunks_per_rank_cut_by_the_pattern_print_megatrons_losses(runs, run, schedule):
