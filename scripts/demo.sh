@@ -3,7 +3,7 @@
 # 1. trains a tiny GPT on CPU (gloo) with PP=4 under megatron's own 1F1B, ZB-H1, the automatic schedule
 #    (--enable-zero-bubble) and ZB-V (--zero-bubble-v-schedule), prints their loss curves side by side (identical)
 #    and each schedule's planned bubble on the pass times it measured, and writes the schedule pictures;
-# 2. measures megatron's 1F1B against ZB-H1 at PP=2, where each rank has a core of its own (scripts/demo_speed.py:
+# 2. measures megatron's 1F1B against ZB-H1, zb-auto and ZB-V at PP=2, each rank on a core (scripts/demo_speed.py:
 #    runs alternated, min / median / max);
 # 3. plans the paper's 1.5B model. About ten minutes on 2 cores.  Knobs: OUT_DIR (out/demo), ITERS (30),
 #    SPEED_REPS (5), PYTHON.
@@ -93,7 +93,7 @@ echo "(4 processes on $(nproc) cores take turns, so their wall times say nothing
 echo " measures at PP=2, one core per rank.)"
 
 echo
-echo "== Measured: megatron's 1F1B against ZB-H1 at PP=2, one core per rank =="
+echo "== Measured: megatron's 1F1B against ZB-H1, zb-auto and ZB-V at PP=2, one core per rank =="
 "$PY" scripts/demo_speed.py --reps "${SPEED_REPS:-5}" --out "$OUT"
 
 echo

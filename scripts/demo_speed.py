@@ -1,13 +1,13 @@
-"""The demo's speed part: megatron's 1F1B against zb-h1 at PP=2, where each rank has a CPU core of its own.
+"""The demo's speed part: megatron's 1F1B against zb-h1, zb-auto and zb-v at PP=2, each rank on a core of its own.
 
     python scripts/demo_speed.py [--reps 5] [--iterations 10] [--out DIR]
 
-Runs pretrain_gpt.py (2 ranks, gloo, one thread each) under megatron's 1F1B and under zb-h1 in turn (A B A B ...),
+Runs pretrain_gpt.py (2 ranks, gloo, one thread each) under each schedule in turn (A B C D A B C D ...),
 `--reps` times each, on a GPT big enough that compute outweighs the runtime's own work (hidden 256, 4 layers,
 sequence 256, m = 8 microbatches). Per run it takes the median of megatron's "elapsed time per iteration (ms)" over
-the iterations after the first two; it prints min / median / max over the runs, the ratio of the medians, and the
-bubble the simulator plans for both on the pass times zb-h1's run measured. Exits 0 whatever the figures (on a busy
-machine they are noisy: the spread says how much).
+the iterations after the first two; it prints min / median / max over the runs, the ratio of the medians to
+1F1B's, and the bubble the simulator plans for each on the pass times its first run measured (1F1B on zb-h1's).
+Exits 0 whatever the figures (on a busy machine they are noisy: the spread says how much).
 """
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ MODEL = ("--zero-bubble-cpu --pipeline-model-parallel-size 2 --num-layers 4 --hi
          "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 --vocab-size 512 "
          "--tokenizer-type NullTokenizer --mock-data --num-workers 0 --lr 1e-4 --eval-iters 0 --log-interval 1 "
          "--seed 1234 --hidden-dropout 0 --attention-dropout 0").split()
-VARIANTS = {"megatron 1f1b": [], "zb-h1": ["--pipeline-schedule", "zb-h1", "--no-zero-bubble-split-check"]}
+NO_CHECK = ["--no-zero-bubble-split-check"]  # the start-up split check is not part of an iteration's time
+VARIANTS = {"megatron 1f1b": [], "zb-h1": ["--pipeline-schedule", "zb-h1", *NO_CHECK],
+            "zb-auto": ["--pipeline-schedule", "zb-auto", "--zero-bubble-ilp-time-limit", "2", *NO_CHECK],
+            "zb-v": ["--pipeline-schedule", "zb-v", *NO_CHECK]}
 
 
 def _port() -> int:
@@ -53,17 +56,23 @@ def run(flags: list[str], iterations: int, dump: str | None) -> float:
 
 
 def planned_bubbles(dump: str) -> dict[str, float]:
-    """Both schedules simulated on the costs zb-h1's run measured (its re-planned dump)."""
+    """Each zero-bubble schedule simulated on the costs its run measured (its re-planned dump); megatron's 1F1B on
+    zb-h1's."""
     from megatron.zero_bubble.schedules import Costs, Schedule, validate
     from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 
-    paths = sorted(p for p in glob.glob(os.path.join(dump, "zb-h1-m*-iter*.json")) if not p.endswith(".trace.json"))
-    if not paths:
-        return {}
-    measured = Schedule.from_json(Path(paths[-1]).read_text())
-    costs = Costs.from_dict(measured.info["costs"])
-    return {"megatron 1f1b": validate(plan("1f1b", PlanRequest(2, measured.microbatches, costs=costs)), costs).bubble_rate,
-            "zb-h1": validate(measured, costs).bubble_rate}
+    bubbles = {}
+    for name in VARIANTS:
+        paths = sorted(p for p in glob.glob(os.path.join(dump, f"{name}-m*-iter*.json"))
+                       if not p.endswith(".trace.json"))
+        if paths:
+            measured = Schedule.from_json(Path(paths[-1]).read_text())
+            costs = Costs.from_dict(measured.info["costs"])
+            bubbles[name] = validate(measured, costs).bubble_rate
+            if name == "zb-h1":
+                one_f_one_b = plan("1f1b", PlanRequest(2, measured.microbatches, costs=costs))
+                bubbles["megatron 1f1b"] = validate(one_f_one_b, costs).bubble_rate
+    return bubbles
 
 
 def main() -> None:

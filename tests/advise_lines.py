@@ -6,7 +6,7 @@ DeepSeek-like MoE (DeepSeek-V2-Lite's experts: 64 of them, 6 routed per token, s
 grouped-query attention instead of multi-latent attention, which advise does not model) with expert parallelism.
 Each with the advise options that give its world size (and the vocabulary of a tokenizer advise does not load).
 
-TINY: the same shapes small enough to train on two CPU cores (tests/megatron/test_advise_measured.py measures them),
+TINY: the same shapes small enough to train on two CPU cores (benchmarks/advise_memory.py measures them),
 with the number of processes. Rotary embeddings do not run on the CPU here: the tiny lines use learned absolute
 positions (--position-embedding-type learned_absolute) where the examples use rope.
 """

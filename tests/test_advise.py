@@ -2,7 +2,7 @@
 FLOP arithmetic against hand-computed figures of a small GPT, the schedules it compares and the flags it prints, its
 one-line errors, and its output for the four full-size example command lines (tests/advise_lines.py).
 
-The comparison with what training measures is tests/megatron/test_advise_measured.py (slow).
+The comparison with what training measures is benchmarks/advise_memory.py (the Llama line: tests/megatron/test_advise_measured.py).
 """
 from __future__ import annotations
 

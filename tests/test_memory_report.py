@@ -1,7 +1,7 @@
 """The model state in the runtime's memory report (runtime/memory_probe.py, runtime/memory_report.py), in one process:
 what the probe counts as a call starts on the CPU, and how the record and its log line put it next to the
 activations. The whole report against a training run: tests/megatron/test_memory_as_planned.py and
-tests/megatron/test_advise_measured.py (slow)."""
+tests/megatron/test_advise_measured.py (slow), benchmarks/advise_memory.py."""
 from __future__ import annotations
 
 import torch
