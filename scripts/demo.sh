@@ -5,7 +5,7 @@
 #    and each schedule's planned bubble on the pass times it measured, and writes the schedule pictures;
 # 2. measures megatron's 1F1B against ZB-H1, zb-auto and ZB-V at PP=2, each rank on a core (scripts/demo_speed.py:
 #    runs alternated, min / median / max);
-# 3. plans the paper's 1.5B model. About ten minutes on 2 cores.  Knobs: OUT_DIR (out/demo), ITERS (30),
+# 3. plans the paper's 1.5B model. About six minutes on 2 cores.  Knobs: OUT_DIR (out/demo), ITERS (30),
 #    SPEED_REPS (5), PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
