@@ -24,7 +24,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.megatron import harness, model_cases
 from tests.megatron.harness import Layout, ModelSpec
 
 LLAMA = ModelSpec(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -92,36 +92,8 @@ CASES = [
 
 
 def _run_case(case: Case) -> dict:
-    with harness.CaseRun(case) as run:
-        controller = None
-        if case.post_validation:
-            from megatron.zero_bubble.schedules.planners import layout_of
-
-            controller = run.session.start_post_validation(run.optimizer, run.chunks, exact=case.exact,
-                                                           layout=layout_of(case.schedule), chunks=len(run.chunks))
-        grad_norms = []
-        with harness.deferred_weights(run.chunks) as deferred:
-            for step in range(case.steps):
-                run.iteration(step)
-                success, grad_norm, _ = run.step()
-                assert success
-                grad_norms.append(grad_norm)
-        if controller is not None:
-            controller.flush()
-        named = {name: p for chunk in run.chunks for name, p in harness.global_param_names(chunk).items()}
-        return run.report(rollbacks=controller.rollbacks if controller is not None else 0, grad_norms=grad_norms,
-                          shapes={name: tuple(p.shape) for name, p in named.items()}, deferred=deferred,
-                          linear=_linear_weights(run.chunks, named))
-
-
-def _linear_weights(chunks, named: dict) -> set[str]:
-    """Global names of the weights of megatron's linear layers on this rank (attention, MLPs, experts, the output
-    layer, MTP's projection): what a split schedule defers; not the embeddings, norms and routers."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    weights = {id(module.weight) for chunk in chunks for module in chunk.modules()
-               if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None}
-    return {name for name, p in named.items() if id(p) in weights}
+    return model_cases.run_training_case(
+        case, lambda run, named: {"shapes": {name: tuple(p.shape) for name, p in named.items()}})
 
 
 @pytest.fixture(scope="module")
