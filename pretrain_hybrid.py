@@ -21,7 +21,6 @@ if __name__ == "__main__":
     early_check(model="hybrid")  # bad flags, paths, sizes and patterns: one line, before megatron is imported
 prepare_process()
 
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules  # noqa: E402
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules  # noqa: E402
 from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
@@ -37,7 +36,6 @@ from megatron.training import get_args, print_rank_0  # noqa: E402
 from megatron.training.argument_utils import core_transformer_config_from_args  # noqa: E402
 
 from megatron.zero_bubble.training import language_model, teardown  # noqa: E402
-from megatron.zero_bubble.training.init_weights import init_weights_by_global_name  # noqa: E402
 
 
 # ---------------------------------------------------------------- the local layers' spec
@@ -116,11 +114,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
-    if args.init_weights_by_global_name:
-        init_weights_by_global_name(
-            model, args.seed, parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(), std=args.init_method_std,
-        )
+    language_model.init_weights_if_asked(model, args)
     return model
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
@@ -18,6 +19,7 @@ from megatron.training.argument_utils import pretrain_cfg_container_from_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 from . import arguments, setup
+from .init_weights import init_weights_by_global_name
 
 # ---------------------------------------------------------------- data
 
@@ -93,6 +95,19 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def init_weights_if_asked(model, args) -> None:
+    """--init-weights-by-global-name: every weight from its global name, so that layouts of the same model start
+    alike (training/init_weights.py)."""
+    if args.init_weights_by_global_name:
+        init_weights_by_global_name(
+            model, args.seed, parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(), std=args.init_method_std,
+        )
 
 
 # ---------------------------------------------------------------- main
