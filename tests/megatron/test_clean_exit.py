@@ -71,6 +71,7 @@ def test_a_run_ends_cleanly_even_when_the_gloo_worker_of_its_last_collective_lag
     reproduces the failure, so this test would fail without the fix."""
     ours = exits.launch(str(tmp_path), "zb-h1", lagging_worker=lagging_worker)
     _assert_clean(ours)
+    assert "gloo threads outlive" not in ours.output, ours.output[-3000:]  # every group's threads joined on every rank
     theirs = exits.launch(str(tmp_path), "zb-h1", ending="megatron", lagging_worker=lagging_worker)
     assert theirs.finished_training and theirs.returncode != 0 and exits.TERMINATE in theirs.output, (
         "the injected lagging worker no longer aborts a process that ends with its groups alive (torch or CPython "
