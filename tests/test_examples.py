@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron.zero_bubble.training import arguments, devices
+from megatron.zero_bubble.training.teardown import THREADS_OUTLIVE
 from tests.launching import free_port, launch_environment
 
 pytestmark = pytest.mark.slow  # every example runs as a process (dry runs: bash; tiny runs: torchrun)
@@ -325,6 +326,7 @@ def tiny_runs(work) -> dict[str, tuple[int, str, Path]]:
 def test_each_tiny_example_trains_to_its_end_with_its_schedule(name, tiny_runs):
     rc, log, work = tiny_runs[name]
     assert rc == 0, log[-6000:]
+    assert THREADS_OUTLIVE not in log, log[-6000:]  # every group destroyed on every rank before the process ended
     iterations = ITERATION.findall(log)
     assert [(int(i), int(n)) for i, n, _, _ in iterations] == [(i, 6) for i in range(1, 7)], log[-6000:]
     losses = [float(loss) for _, _, loss, _ in iterations]

@@ -3,7 +3,8 @@
     Runs(definitions, work)[label] -> Run   launched on first use (once per test session), its dependencies first
     Run.log                                  every rank's output, rank after rank (torchrun's --log-dir)
     iteration_figures(log), validation_losses(log), same_training(ours, reference, ...), resumes_like(...)
-A run that fails (non-zero exit) fails every test that reads it, with its tail.
+A run that fails (non-zero exit), or whose teardown left a process group's gloo threads alive on a rank (such a
+process can abort at its end, training/teardown.py), fails every test that reads it, with its tail.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from megatron.zero_bubble.training.teardown import THREADS_OUTLIVE
 from tests.launching import torchrun
 
 TAIL_CHARS = 4000
@@ -49,6 +51,9 @@ class Runs:
         if run.returncode != 0:
             raise RunFailed(f"run {label!r} exited with {run.returncode}:\n{run.log[-TAIL_CHARS:]}\n"
                             f"{run.launcher[-TAIL_CHARS // 2:]}")
+        if THREADS_OUTLIVE in run.log:
+            lines = sorted({line for line in run.log.splitlines() if THREADS_OUTLIVE in line})
+            raise RunFailed(f"run {label!r} ended with a process group alive: " + "; ".join(lines))
         return run.log
 
     def run(self, label: str) -> Run:

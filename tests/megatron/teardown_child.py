@@ -1,11 +1,13 @@
 """One process's end, in a process of its own (test_clean_exit.py runs it): gloo threads are counted process-wide, so
 the count must not see groups that other tests of the same process left behind.
 
-    python tests/megatron/teardown_child.py all-destroyed|one-held STORE_FILE
+    python tests/megatron/teardown_child.py all-destroyed|one-held|rotary-cached STORE_FILE
 
 megatron.core.parallel_state is a stand-in here, as a run leaves it: destroy_model_parallel destroys its gloo group,
 and one group stays in a global it forgets (as megatron-core 0.19.2 forgets
-_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO).
+_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO). In `rotary-cached`, megatron's real RotaryEmbedding has run a
+forward (memoized at class level) on a gloo context-parallel group, and the rank has dropped the module, as a run
+with rotary positions leaves it.
 Prints one line: RESULT followed by JSON.
 """
 from __future__ import annotations
@@ -35,10 +37,30 @@ def megatron_state() -> types.ModuleType:
     return state
 
 
+def rotary_embedding_class() -> type:
+    """megatron's RotaryEmbedding, imported before the stand-in parallel state replaces the real one."""
+    from megatron.zero_bubble.patches import cpu_backend
+
+    cpu_backend.install()  # megatron.core imports without triton; the rotary module sees the CPU as its device
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    return RotaryEmbedding
+
+
+def run_and_drop(rotary_embedding: type) -> None:
+    """A rotary module on a context-parallel group of its own, its forward run once, the module dropped."""
+    rotary = rotary_embedding(kv_channels=16, rotary_percent=1.0, cp_group=dist.new_group([0], backend="gloo"))
+    rotary.forward(8)
+
+
 def main(scenario: str, store: str) -> None:
+    # megatron imported first, as a run imports it (a module of megatron.core imported later keeps the default group)
+    rotary_embedding = rotary_embedding_class() if scenario == "rotary-cached" else None
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     state = megatron_state()
     held = [dist.new_group([0], backend="gloo")] if scenario == "one-held" else []  # a reference it cannot know of
+    if rotary_embedding is not None:
+        run_and_drop(rotary_embedding)
     result = {"before": teardown.gloo_threads(), "lines": []}
     teardown.end_distributed(log=result["lines"].append)
     result.update(initialized=dist.is_initialized(), left=teardown.gloo_threads(),

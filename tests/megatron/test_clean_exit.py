@@ -40,6 +40,13 @@ def test_the_end_of_a_process_leaves_no_gloo_thread_and_says_nothing(tmp_path):
 
 
 @linux_only
+def test_the_group_of_a_module_that_megatron_memoizes_at_class_level_is_destroyed_too(tmp_path):
+    """RotaryEmbedding.forward is an lru_cache on the class: it keeps the module, and the module its group."""
+    result = _end_of_a_process("rotary-cached", tmp_path)
+    assert result["left"] == 0 and result["lines"] == [], result
+
+
+@linux_only
 def test_a_group_still_held_at_the_end_is_reported_in_one_line(tmp_path):
     result = _end_of_a_process("one-held", tmp_path)
     left = result["left"]

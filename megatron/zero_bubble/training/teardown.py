@@ -22,6 +22,8 @@ import gc
 import os
 import sys
 
+# The line's words where gloo threads outlive the teardown (the tests look for them in every run's output).
+THREADS_OUTLIVE = "gloo threads outlive the process groups' teardown"
 # The callables megatron's training loop stores on the model's TransformerConfig (see release_training_cycles).
 _CONFIG_CALLBACKS = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
                      "finalize_model_grads_func")
@@ -49,6 +51,7 @@ def end_distributed(log=None) -> None:
         return
     dist.barrier()  # every rank has left its last collective: destroying a group strands no peer in it
     forget_megatron_groups()
+    clear_megatron_method_caches()
     release_training_cycles()
     dist.destroy_process_group()  # torch's references to every group, WORLD included
     gc.collect()  # groups held in reference cycles (model chunks and their process-group collections)
@@ -58,8 +61,8 @@ def end_distributed(log=None) -> None:
         gc.collect()
     left = gloo_threads()
     if left and log is not None:
-        log(f"zero-bubble: {left} gloo threads outlive the process groups' teardown (a reference to a group is "
-            f"still held); the process may abort as it exits")
+        log(f"zero-bubble: {left} {THREADS_OUTLIVE} (a reference to a group is still held); the process may abort "
+            f"as it exits")
 
 
 def forget_megatron_groups() -> None:
@@ -80,6 +83,21 @@ def forget_megatron_groups() -> None:
     moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     if moe_logging is not None:  # its MoE metrics (a global) name the groups they reduce over
         moe_logging.destroy_moe_metrics_tracker()
+
+
+def clear_megatron_method_caches() -> None:
+    """Empty the functools caches on megatron's classes. A method memoized at class level keeps every `self` it was
+    called on for the life of the process: megatron-core 0.19.2's `RotaryEmbedding.forward` (and YaRN's) keeps the
+    rotary module, which keeps its context-parallel group, so every run with rotary positions would end with that
+    group's threads alive."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                for attribute in vars(value).values():
+                    if callable(getattr(attribute, "cache_clear", None)):
+                        attribute.cache_clear()
 
 
 def release_training_cycles() -> None:
