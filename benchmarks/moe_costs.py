@@ -97,9 +97,9 @@ def layer_scenario(a, passes: int, repeats: int) -> dict:
 
     from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter
     from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore
-    from tests.megatron import harness
+    from tests.megatron import harness, process_groups, rank_model
 
-    harness.init_parallel_state()
+    process_groups.init_parallel_state()
     megatron = MegatronAdapter()
     layers, stores = {}, {}
     for variant in ("moe", "dense"):
@@ -108,7 +108,7 @@ def layer_scenario(a, passes: int, repeats: int) -> dict:
                                  **({"num_experts": a.experts, "moe_router_topk": a.topk, "moe_aux_loss_coeff": 0.01}
                                     if variant == "moe" else {}))
         overrides = {"moe_ffn_hidden_size": a.moe_ffn} if variant == "moe" else {}
-        layers[variant] = harness.build_gpt_chunks(spec, **overrides)[0].decoder.layers[0]
+        layers[variant] = rank_model.build_gpt_chunks(spec, **overrides)[0].decoder.layers[0]
         stores[variant] = WeightGradStore(variant)
         stores[variant].attach(layers[variant], megatron)
     generator = torch.Generator().manual_seed(0)

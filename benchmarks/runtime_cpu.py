@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.megatron import harness  # noqa: E402  (spawn and the deterministic tiny GPT)
+from tests.megatron import harness, process_groups, rank_model  # noqa: E402  (spawn and the deterministic tiny GPT)
 
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-auto")  # through our executor
 MEGATRON = "megatron 1f1b"
@@ -49,7 +49,7 @@ def _time_training(chunks, optimizer, spec, m, iterations, flush=None) -> float:
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        harness.run_forward_backward(chunks, spec, m, it * m)
+        rank_model.run_forward_backward(chunks, spec, m, it * m)
         optimizer.step()
 
     one(0)
@@ -75,14 +75,14 @@ def training_scenario(spec, m: int, iterations: int, reps: int) -> dict:
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
     from megatron.zero_bubble.runtime.post_validation import PostValidation
 
-    harness.init_parallel_state(pp=2)
-    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(spec))
+    process_groups.init_parallel_state(pp=2)
+    chunks = rank_model.wrap_in_ddp(rank_model.build_gpt_chunks(spec))
     config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1000.0)
     megatron = MegatronAdapter()
     executor = PipelineExecutor(lambda _: None, megatron)
     schedule_selection.install(executor)
     variants = [(name, pv) for name in POST_VALIDATION_SCHEDULES for pv in (False, True)]
-    optimizers = {key: harness.make_optimizer(chunks, config) for key in variants}
+    optimizers = {key: rank_model.make_optimizer(chunks, config) for key in variants}
     controllers = {key: PostValidation(optimizers[key], megatron,
                                        pp_group=parallel_state.get_pipeline_model_parallel_group(),
                                        stage_group=parallel_state.get_tensor_model_parallel_group())
@@ -124,7 +124,7 @@ def _time_one(chunks, spec, m, index) -> float:
         p.grad = None
     torch.distributed.barrier()
     start = time.perf_counter()
-    harness.run_forward_backward(chunks, spec, m, index * m)
+    rank_model.run_forward_backward(chunks, spec, m, index * m)
     torch.distributed.barrier()
     return time.perf_counter() - start
 
@@ -137,8 +137,8 @@ def scenario(spec, m: int, reps: int) -> dict:
     from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter
     from megatron.zero_bubble.runtime.executor import PipelineExecutor
 
-    harness.init_parallel_state(pp=2)
-    chunks = harness.build_gpt_chunks(spec)
+    process_groups.init_parallel_state(pp=2)
+    chunks = rank_model.build_gpt_chunks(spec)
     result = {"rank": parallel_state.get_pipeline_model_parallel_rank(), "times": {}, "passes": {}}
     megatron = MegatronAdapter()
     executor = PipelineExecutor(lambda _: None, megatron)

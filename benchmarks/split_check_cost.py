@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.megatron import harness  # noqa: E402  (spawn and the deterministic tiny GPT)
+from tests.megatron import harness, process_groups, rank_model  # noqa: E402  (spawn and the deterministic tiny GPT)
 
 
 def scenario(spec, m: int, reps: int, pp: int) -> dict:
@@ -29,8 +29,8 @@ def scenario(spec, m: int, reps: int, pp: int) -> dict:
 
     schedule = plan("zb-h1", PlanRequest(stages=pp, microbatches=m, ilp_time_limit=0))
     with ZeroBubbleSession(schedule_for=lambda _: schedule, split_check=True, log=lambda line: None) as session:
-        harness.init_parallel_state(pp=pp)
-        chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(spec))
+        process_groups.init_parallel_state(pp=pp)
+        chunks = rank_model.wrap_in_ddp(rank_model.build_gpt_chunks(spec))
         check = session.executor.split_check
         iterations, checks = [], []
         for rep in range(reps + 1):
@@ -40,7 +40,7 @@ def scenario(spec, m: int, reps: int, pp: int) -> dict:
                     chunk.zero_grad_buffer()
                 torch.distributed.barrier()
                 start = time.perf_counter()
-                harness.run_forward_backward(chunks, spec, m, rep * m)
+                rank_model.run_forward_backward(chunks, spec, m, rep * m)
                 torch.distributed.barrier()
                 elapsed = time.perf_counter() - start
                 if rep and with_check:

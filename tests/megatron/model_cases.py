@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tests.megatron import harness
+from tests.megatron import rank_model, training_case
 
 
-def run_training_case(case: harness.Case, extras: Callable[[harness.CaseRun, dict], dict]) -> dict:
-    """The rank's report: harness's, plus the rollbacks, the grad norms, the deferred and the linear weights' global
+def run_training_case(case: training_case.Case, extras: Callable[[training_case.CaseRun, dict], dict]) -> dict:
+    """The rank's report: CaseRun's, plus the rollbacks, the grad norms, the deferred and the linear weights' global
     names, and what `extras(run, {global name: parameter})` adds."""
-    with harness.CaseRun(case) as run:
+    with training_case.CaseRun(case) as run:
         controller = None
         if case.post_validation:
             from megatron.zero_bubble.schedules.planners import layout_of
@@ -23,7 +23,7 @@ def run_training_case(case: harness.Case, extras: Callable[[harness.CaseRun, dic
             controller = run.session.start_post_validation(run.optimizer, run.chunks, exact=case.exact,
                                                            layout=layout_of(case.schedule), chunks=len(run.chunks))
         grad_norms = []
-        with harness.deferred_weights(run.chunks) as deferred:
+        with rank_model.deferred_weights(run.chunks) as deferred:
             for step in range(case.steps):
                 run.iteration(step)
                 success, grad_norm, _ = run.step()
@@ -31,7 +31,7 @@ def run_training_case(case: harness.Case, extras: Callable[[harness.CaseRun, dic
                 grad_norms.append(grad_norm)
         if controller is not None:
             controller.flush()
-        named = {name: p for chunk in run.chunks for name, p in harness.global_param_names(chunk).items()}
+        named = {name: p for chunk in run.chunks for name, p in rank_model.global_param_names(chunk).items()}
         return run.report(rollbacks=controller.rollbacks if controller is not None else 0, grad_norms=grad_norms,
                           deferred=deferred, linear=linear_weight_names(run.chunks, named), **extras(run, named))
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.megatron import harness, process_groups, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec(num_layers=8)  # 8 layers so that PP=4 x VPP=2 holds one layer per chunk
@@ -31,22 +31,22 @@ def run_core_layouts() -> dict[str, dict]:
     """
     half = MICROBATCHES // 2
     runs = {
-        "pp1": lambda: harness.run_layout(Layout(), SPEC, MICROBATCHES),
-        "pp2": lambda: harness.run_layout(Layout(pp=2), SPEC, MICROBATCHES),
-        "pp4": lambda: harness.run_layout(Layout(pp=4), SPEC, MICROBATCHES),
-        "tp2_pp2": lambda: harness.run_layout(Layout(tp=2, pp=2), SPEC, MICROBATCHES),
-        "pp4_vpp2": lambda: harness.run_layout(Layout(pp=4, vpp=2), SPEC, MICROBATCHES),
+        "pp1": lambda: training_case.run_layout(Layout(), SPEC, MICROBATCHES),
+        "pp2": lambda: training_case.run_layout(Layout(pp=2), SPEC, MICROBATCHES),
+        "pp4": lambda: training_case.run_layout(Layout(pp=4), SPEC, MICROBATCHES),
+        "tp2_pp2": lambda: training_case.run_layout(Layout(tp=2, pp=2), SPEC, MICROBATCHES),
+        "pp4_vpp2": lambda: training_case.run_layout(Layout(pp=4, vpp=2), SPEC, MICROBATCHES),
         # replica r runs microbatches [r*half, (r+1)*half): the two halves DP=2 x PP=2 averages
-        "pp1_halves": lambda: harness.run_layout(Layout(), SPEC, half, shard_data=True),
-        "ddp_dp2_pp2": lambda: harness.run_layout(Layout(pp=2), SPEC, half, ddp=True, optimizer_step=True),
-        "tied_pp1": lambda: harness.run_layout(Layout(), TIED, half),
-        "tied_ddp_pp2": lambda: harness.run_layout(Layout(pp=2), TIED, half, ddp=True, shard_data=False),
+        "pp1_halves": lambda: training_case.run_layout(Layout(), SPEC, half, shard_data=True),
+        "ddp_dp2_pp2": lambda: training_case.run_layout(Layout(pp=2), SPEC, half, ddp=True, optimizer_step=True),
+        "tied_pp1": lambda: training_case.run_layout(Layout(), TIED, half),
+        "tied_ddp_pp2": lambda: training_case.run_layout(Layout(pp=2), TIED, half, ddp=True, shard_data=False),
     }
     reports, groups = {}, []
     for name, run in runs.items():
         reports[name] = run()
         groups.append((name, _group_count()))
-    harness.destroy_parallel_state()
+    process_groups.destroy_parallel_state()
     groups.append(("destroyed", _group_count()))
     return {"layouts": reports, "groups": groups}
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from tests.megatron import harness, model_cases
+from tests.megatron import harness, model_cases, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 EVEN = ModelSpec(hybrid_pattern="*-*-|*-*-")
@@ -30,7 +30,7 @@ CLIP = 0.8  # below the first step's grad norm (0.95), above each stage's partia
 
 
 @dataclasses.dataclass(frozen=True)
-class Case(harness.Case):
+class Case(training_case.Case):
     optimizer: str | None = "adam"
     steps: int = 2
     exact: bool = False

@@ -24,7 +24,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.megatron import harness, model_cases
+from tests.megatron import harness, model_cases, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 LLAMA = ModelSpec(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
@@ -48,7 +48,7 @@ CLIP = 1.0  # below the Llama model's grad norm (1.1-1.3 in the first steps), ab
 
 
 @dataclasses.dataclass(frozen=True)
-class Case(harness.Case):
+class Case(training_case.Case):
     spec: ModelSpec = LLAMA
     optimizer: str | None = "adam"
     steps: int = 2

@@ -20,7 +20,7 @@ import re
 
 import pytest
 
-from tests.megatron import harness
+from tests.megatron import harness, process_groups, rank_model
 from tests.megatron.harness import ModelSpec
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def _train(chunks, optimizer, iterations: int, before=None, after=None, forward_
         optimizer.zero_grad()
         for chunk in chunks:
             chunk.zero_grad_buffer()
-        step = forward_step(iteration) if forward_step is not None else harness.gpt_forward_step
-        harness.run_forward_backward(chunks, SPEC, MICROBATCHES, iteration * MICROBATCHES, forward_step_func=step)
+        step = forward_step(iteration) if forward_step is not None else rank_model.gpt_forward_step
+        rank_model.run_forward_backward(chunks, SPEC, MICROBATCHES, iteration * MICROBATCHES, forward_step_func=step)
         if after is not None:
             after(iteration)
         success, _, _ = optimizer.step()
@@ -72,9 +72,9 @@ def _train(chunks, optimizer, iterations: int, before=None, after=None, forward_
 
 
 def _model(v_shape: bool):
-    harness.init_parallel_state(pp=STAGES, vpp=2 if v_shape else None)
-    chunks = harness.wrap_in_ddp(harness.build_gpt_chunks(SPEC, deallocate_pipeline_outputs=True))
-    return chunks, harness.make_optimizer(chunks)
+    process_groups.init_parallel_state(pp=STAGES, vpp=2 if v_shape else None)
+    chunks = rank_model.wrap_in_ddp(rank_model.build_gpt_chunks(SPEC, deallocate_pipeline_outputs=True))
+    return chunks, rank_model.make_optimizer(chunks)
 
 
 def _run_fixed(case: Case) -> dict:
@@ -88,7 +88,7 @@ def _run_fixed(case: Case) -> dict:
     schedule = _plan(case)
     v_stages = STAGES if schedule.layout == "v" else None
     if v_stages is not None:  # the V placement must be in place before the groups are made
-        harness.destroy_parallel_state()
+        process_groups.destroy_parallel_state()
     profiler, executor, held = Profiler(schedule.chunks), [], []
 
     def observe(p, start, end):  # what ReplanningPipeline._record_pass hands the profiler
@@ -101,7 +101,7 @@ def _run_fixed(case: Case) -> dict:
         session.executor.memory_probe = MemoryProbe(torch.device("cpu"))
         model = chunks if len(chunks) > 1 else chunks[0]
         _train(chunks, optimizer, ITERATIONS,
-               forward_step=lambda i: profiler.forward_step(harness.gpt_forward_step, model),
+               forward_step=lambda i: profiler.forward_step(rank_model.gpt_forward_step, model),
                after=lambda i: (profiler.end_iteration(), held.append(session.executor.last_stats.memory)))
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         return {"pp_rank": pp_rank, "report": profiler.report(schedule.chunks, pp_rank), "held": held,

@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.megatron import harness, rank_model, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 ZB_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
@@ -27,19 +27,20 @@ MOE_ALLGATHER = dataclasses.replace(MOE, moe_token_dispatcher_type="allgather")
 MOE_METRIC = "load_balancing_loss"
 
 
-def _case(label: str, layout: Layout, schedule: str | None, spec: ModelSpec, optimizer: str = "adam") -> harness.Case:
+def _case(label: str, layout: Layout, schedule: str | None, spec: ModelSpec,
+          optimizer: str = "adam") -> training_case.Case:
     """Three steps of 4 microbatches with megatron's Adam (DDP, clipping), each data-parallel replica on data of its
     own, or with a "local" torch Adam per rank (no DDP), every replica on the same data."""
-    return harness.Case(label, layout, schedule, spec, microbatches=4, steps=3, optimizer=optimizer,
-                        shard_data=optimizer != "local")
+    return training_case.Case(label, layout, schedule, spec, microbatches=4, steps=3, optimizer=optimizer,
+                              shard_data=optimizer != "local")
 
 
-def _run_case(case: harness.Case) -> dict:
+def _run_case(case: training_case.Case) -> dict:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-    with harness.CaseRun(case) as run:
+    with training_case.CaseRun(case) as run:
         tracker = get_moe_metrics_tracker()
-        with harness.deferred_weights(run.chunks) as deferred:
+        with rank_model.deferred_weights(run.chunks) as deferred:
             for step in range(case.steps):
                 run.iteration(step)
                 if step == 0:
@@ -52,11 +53,11 @@ def _run_case(case: harness.Case) -> dict:
 
 def _norm_weights(chunks) -> dict:
     """{global name: value} of the norm parameters this rank holds (not TP-sharded: each TP rank has a copy)."""
-    return {name: p.detach().clone() for chunk in chunks for name, p in harness.global_param_names(chunk).items()
+    return {name: p.detach().clone() for chunk in chunks for name, p in rank_model.global_param_names(chunk).items()
             if "norm" in name}
 
 
-def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES, **kwargs) -> list[harness.Case]:
+def _cases(prefix: str, layout: Layout, spec: ModelSpec, schedules=ZB_SCHEDULES, **kwargs) -> list[training_case.Case]:
     return [_case(f"{prefix}/megatron", layout, None, spec, **kwargs),
             *(_case(f"{prefix}/{s}", layout, s, spec, **kwargs) for s in schedules)]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.zero_bubble.schedules.planners import layout_of
-from tests.megatron import harness
+from tests.megatron import harness, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 # The tiny model's grad norm is 0.5-0.95 over the first iterations: 1000 never clips; 0.6 clips most
@@ -22,7 +22,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 
 
 @dataclasses.dataclass(frozen=True)
-class Case(harness.Case):
+class Case(training_case.Case):
     """Several iterations of zb-h1 (or `schedule`) with post-validation, or of megatron's own schedule (None) with its
     synchronous step; Adam (or SGD) with weight decay over megatron DDP."""
 
@@ -88,7 +88,7 @@ def _run_case(case: Case) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with harness.CaseRun(case) as run:
+    with training_case.CaseRun(case) as run:
         chunks, optimizer = run.chunks, run.optimizer
         stage = parallel_state.get_pipeline_model_parallel_rank()
         stage_of_rank = [None] * dist.get_world_size()

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.megatron import harness
+from tests.megatron import harness, rank_model, training_case
 from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec()
@@ -24,7 +24,7 @@ SKEWED_COSTS = ((1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0), (1.0,) * 8, (3.0,) * 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Case(harness.Case):
+class Case(training_case.Case):
     """Megatron's grad norm sums each rank's partial norm, so its last bit depends on which layers (and, with the
     distributed optimizer, which shards) share a rank: runs compared across layouts step without clipping."""
 
@@ -37,7 +37,7 @@ def _slow_on_first_stage(seconds: float, data_iterator, model):
 
     if parallel_state.get_pipeline_model_parallel_rank() == 0:
         time.sleep(seconds)
-    return harness.gpt_forward_step(data_iterator, model)
+    return rank_model.gpt_forward_step(data_iterator, model)
 
 
 def _recorded(function, events: list, event: tuple):
@@ -75,7 +75,7 @@ def _run_case(case: Case) -> dict:
     forward_step = None
     if case.slow_first_stage_s:
         forward_step = functools.partial(_slow_on_first_stage, case.slow_first_stage_s)
-    with harness.CaseRun(case, observer=_pass_observer(case, events), forward_step=forward_step) as run:
+    with training_case.CaseRun(case, observer=_pass_observer(case, events), forward_step=forward_step) as run:
         chunks = run.chunks
         if case.patch_only:  # megatron's schedule on layers whose W goes to a store that is never active
             stores = [WeightGradStore(f"chunk {k}") for k in range(len(chunks))]
@@ -182,7 +182,7 @@ def test_measured_peak_activations_equal_the_planners_prediction(reports, label)
     from megatron.zero_bubble.schedules.memory import memory_profile
 
     case = next(c for c in CASES if c.label == label)
-    schedule = harness.planned(case.schedule, case.layout.pp, case.microbatches)
+    schedule = training_case.planned(case.schedule, case.layout.pp, case.microbatches)
     n = schedule.num_virtual_stages
     held_for_b = memory_profile(schedule, Costs.make(n, m_f=1.0, m_w=0.0))
     held_until_w = memory_profile(schedule, Costs.make(n, m_f=1.0, m_w=1.0))
@@ -218,7 +218,8 @@ def test_interleaved_zb_auto_is_bit_identical_to_megatrons_interleaved_1f1b(repo
     """Losses, gradients and (with DP=2, overlapped reduction and three Adam steps) parameters: zb-auto's plan over
     v chunks per rank splits every backward into B and W and reorders them, the numbers stay megatron's."""
     case = next(c for c in CASES if c.label == label)
-    schedule = harness.planned(case.schedule, case.layout.pp, case.microbatches, case.costs, chunks=case.layout.vpp)
+    schedule = training_case.planned(case.schedule, case.layout.pp, case.microbatches, case.costs,
+                                     chunks=case.layout.vpp)
     assert schedule.chunks == case.layout.vpp and any(p.op == "W" for p in schedule.ranks[0])
     harness.assert_identical(reports[label], reports[reference])
 
@@ -260,7 +261,7 @@ def test_zb_v_with_overlapped_reduction_is_bit_identical_to_a_single_stage_run(r
 def test_plans_on_other_costs_give_bit_identical_losses_gradients_and_parameters(reports, schedule):
     """Two Adam steps with clipping, once planned on unit costs and once on skewed ones: the pass orders differ,
     the numbers may not (each stage accumulates W in microbatch order whatever the plan)."""
-    plans = [harness.planned(schedule, 4, 8, costs) for costs in (None, SKEWED_COSTS)]
+    plans = [training_case.planned(schedule, 4, 8, costs) for costs in (None, SKEWED_COSTS)]
     assert plans[0].ranks != plans[1].ranks
     harness.assert_identical(reports[f"pp4/{schedule}/adam/skewed"], reports[f"pp4/{schedule}/adam"])
 

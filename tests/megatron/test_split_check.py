@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.megatron import harness, process_groups, rank_model
 from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec()
@@ -80,7 +80,7 @@ _CALLS = itertools.count()
 
 def _noisy_forward_step(data_iterator, model):
     """A backward that is not bit-reproducible: each call's loss is scaled a little differently."""
-    output, loss_func = harness.gpt_forward_step(data_iterator, model)
+    output, loss_func = rank_model.gpt_forward_step(data_iterator, model)
 
     def noisy(output_tensor):
         loss, report = loss_func(output_tensor)
@@ -100,38 +100,39 @@ def _run_case(case: Case) -> dict:
     lines = []
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:
-        harness.destroy_parallel_state()
+        process_groups.destroy_parallel_state()
     with ZeroBubbleSession(schedule_for=lambda m: _plan(case.schedule, case.layout.pp, m), v_stages=v_stages,
                            bucket_every_stage=True, split_check=case.check, log=lines.append,
                            te_layer_types=te_standin.KINDS if case.te_standin else None) as session:
-        harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
-        chunks = harness.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout)
+        process_groups.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
+        chunks = rank_model.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout)
         if case.te_standin:
             for chunk in chunks:
                 te_standin.swap_in_standins(chunk)
-        chunks = harness.wrap_in_ddp(chunks, DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                                                           bucket_size=12_000))
+        chunks = rank_model.wrap_in_ddp(chunks, DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                                              bucket_size=12_000))
         if case.wrong_w and parallel_state.get_pipeline_model_parallel_rank() == 1:
             target = dict(chunks[0].module.named_parameters())[WRONG_LAYER]
             session.executor.megatron = _PerturbOneLayer(session.megatron, target)
-        optimizer = harness.make_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0,
-                                                                   clip_grad=0.0))
-        forward_step = _noisy_forward_step if case.noisy else harness.gpt_forward_step
+        optimizer = rank_model.make_optimizer(chunks, OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0,
+                                                                      clip_grad=0.0))
+        forward_step = _noisy_forward_step if case.noisy else rank_model.gpt_forward_step
         losses, m = {}, 4
         try:
             for step in range(case.steps):
                 for chunk in chunks:
                     chunk.zero_grad_buffer()
                 optimizer.zero_grad()
-                step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m, forward_step_func=forward_step)
+                step_losses = rank_model.run_forward_backward(chunks, case.spec, m, step * m,
+                                                              forward_step_func=forward_step)
                 losses.update({(step, k): v for k, v in step_losses.items()})
-                grads = harness.full_grads(chunks)
+                grads = rank_model.full_grads(chunks)
                 optimizer.step()
         except SplitCheckFailed as failed:
             return {"failed": str(failed), "lines": lines}
         check = session.executor.split_check
         return {"dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "grads": grads,
-                "params": {**harness.full_params(chunks), **_expert_biases(chunks)}, "lines": lines,
+                "params": {**rank_model.full_params(chunks), **_expert_biases(chunks)}, "lines": lines,
                 "results": check.results if check is not None else None,
                 "pending": sum(store.pending_count for store in session.executor.stores)}
 

@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 
-from tests.megatron import harness
+from tests.megatron import harness, process_groups, rank_model
 from tests.megatron.harness import Layout, ModelSpec
 
 SPEC = ModelSpec()
@@ -56,7 +56,7 @@ def _run_case(case: Case) -> dict:
         plans = lambda m: _plan(case.schedule, case.layout.pp, m, case.post_validation)  # noqa: E731
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:
-        harness.destroy_parallel_state()
+        process_groups.destroy_parallel_state()
     with ZeroBubbleSession(schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.overlap,
                            te_layer_types=te_standin.KINDS) as session:
         return _train(case, session, te_standin)
@@ -68,18 +68,18 @@ def _train(case: Case, session, te_standin) -> dict:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.zero_bubble.schedules.planners import layout_of
 
-    harness.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
+    process_groups.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
     if case.slow_wgrad_s:
         _slow_down_wgrad(te_standin, case.slow_wgrad_s)
-    chunks = harness.build_gpt_chunks(case.spec, init_seed=0)
+    chunks = rank_model.build_gpt_chunks(case.spec, init_seed=0)
     swapped = sum(te_standin.swap_in_standins(chunk, case.fuse) for chunk in chunks)
     if case.ddp:
-        chunks = harness.wrap_in_ddp(chunks, DistributedDataParallelConfig(
+        chunks = rank_model.wrap_in_ddp(chunks, DistributedDataParallelConfig(
             overlap_grad_reduce=case.overlap, use_distributed_optimizer=case.distributed,
             overlap_param_gather=case.distributed, bucket_size=12_000 if case.overlap else None))
     optimizer = None
     if case.ddp:  # megatron's optimizer needs DDP's buffers; the runs without DDP compare one step's gradients
-        optimizer = harness.make_optimizer(chunks, OptimizerConfig(
+        optimizer = rank_model.make_optimizer(chunks, OptimizerConfig(
             optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=case.clip, use_distributed_optimizer=case.distributed))
     controller = None
     if case.post_validation:
@@ -102,9 +102,9 @@ def _train(case: Case, session, te_standin) -> dict:
             observer = lambda p, start, end: reductions.append(("timed", p.op.value, end - start))  # noqa: E731
         if session.executor is not None:
             session.executor.observer = observer
-        step_losses = harness.run_forward_backward(chunks, case.spec, m, step * m)
+        step_losses = rank_model.run_forward_backward(chunks, case.spec, m, step * m)
         losses.update({(step, k): v for k, v in step_losses.items()})
-        grads = harness.full_grads(chunks)
+        grads = rank_model.full_grads(chunks)
         if optimizer is not None:
             optimizer.step()
     if controller is not None:
@@ -113,7 +113,7 @@ def _train(case: Case, session, te_standin) -> dict:
         chunk.start_param_sync(force_sync=True)
     stores = session.executor.stores if session.executor is not None else []
     return {"dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "grads": grads,
-            "params": harness.full_params(chunks), "swapped": swapped, "events": list(reductions),
+            "params": rank_model.full_params(chunks), "swapped": swapped, "events": list(reductions),
             "split_weights": sum(len(store.weights) for store in stores),
             "rollbacks": controller.rollbacks if controller is not None else 0}
 

@@ -17,7 +17,7 @@ from megatron.zero_bubble.patches import PatchError
 from megatron.zero_bubble.patches.vshape_layout import v_embedding_ranks, v_layer_range
 from megatron.zero_bubble.schedules.schedule import virtual_stage
 from megatron.zero_bubble.training.init_weights import unwrap
-from tests.megatron import harness
+from tests.megatron import harness, process_groups, rank_model
 
 # Tied embeddings: two copies accumulate their microbatches apart and are summed once, PP=1 sums per
 # microbatch; a different association (seen: 7e-9 apart with 2 microbatches), so tied runs one, exactly.
@@ -96,7 +96,8 @@ def _build_chunks(spec, tied: bool, **config_overrides) -> list:
     from megatron.core import parallel_state
     from megatron.training import training
 
-    chunks = harness.build_gpt_chunks(dataclasses.replace(spec, tie_embeddings=tied), init_seed=7, **config_overrides)
+    chunks = rank_model.build_gpt_chunks(dataclasses.replace(spec, tie_embeddings=tied), init_seed=7,
+                                         **config_overrides)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     for vp_stage, chunk in enumerate(chunks if vpp is not None else ()):
@@ -110,7 +111,7 @@ def _describe(chunk) -> dict:
             "pre_process": chunk.pre_process, "post_process": chunk.post_process,
             "embedding": hasattr(chunk, "embedding"), "output_layer": hasattr(chunk, "output_layer"),
             "final_layernorm": chunk.decoder.final_layernorm is not None,
-            "names": sorted(harness.global_param_names(chunk))}
+            "names": sorted(rank_model.global_param_names(chunk))}
 
 
 def _loss(output, batch):
@@ -128,7 +129,7 @@ def _run_by_hand(chunks, spec, stages: int, rank: int, microbatches: int, backwa
     shape = (spec.seq_length, spec.micro_batch_size, spec.hidden_size)
     losses, dtypes = {}, {}
     for mb in range(microbatches):
-        batch = harness.mock_microbatch(mb, spec)
+        batch = rank_model.mock_microbatch(mb, spec)
         inputs, outputs, handoff = {}, {}, None
         for i, (owner, chunk_id) in enumerate(steps):
             if owner != rank:
@@ -179,15 +180,15 @@ def _tied_copies(chunks) -> tuple:
 
 def _reference_run(spec, tied: bool) -> dict:
     """PP=1 on every rank (no communication): losses and gradients of the same model."""
-    harness.init_parallel_state(pp=1)
+    process_groups.init_parallel_state(pp=1)
     (chunk,) = _build_chunks(spec, tied)
     losses = {}
     for mb in range(MICROBATCHES[tied]):
-        batch = harness.mock_microbatch(mb, spec)
+        batch = rank_model.mock_microbatch(mb, spec)
         loss = _loss(chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]), batch)
         loss.backward()
         losses[mb] = loss.detach().clone()
-    return {"losses": losses, "grads": harness.full_grads([chunk]), "names": _describe(chunk)["names"]}
+    return {"losses": losses, "grads": rank_model.full_grads([chunk]), "names": _describe(chunk)["names"]}
 
 
 def _v_case(stages: int, spec, rank: int, tied: bool) -> dict:
@@ -197,18 +198,18 @@ def _v_case(stages: int, spec, rank: int, tied: bool) -> dict:
 
     from megatron.zero_bubble.patches import vshape_layout
 
-    harness.init_parallel_state(pp=stages, vpp=2)
+    process_groups.init_parallel_state(pp=stages, vpp=2)
     chunks = _build_chunks(spec, tied)
     copies = _tied_copies(chunks) if tied and rank == 0 else None
     if copies:  # megatron leaves the copy zeroed (the harness' init by name already matches it)
         copies[1].data.zero_()
     tied_copy = vshape_layout.tie_v_output_weights(chunks)  # what the patched get_model does
-    chunks = harness.wrap_in_ddp(chunks)
+    chunks = rank_model.wrap_in_ddp(chunks)
     losses, _ = _run_by_hand(chunks, spec, stages, rank, MICROBATCHES[tied])
     finalize_model_grads(chunks)
     report = {
         "chunks": [_describe(unwrap(c)) for c in chunks], "losses": losses,
-        "grads": harness.full_grads(chunks), "tied_copy": tied_copy,
+        "grads": rank_model.full_grads(chunks), "tied_copy": tied_copy,
         "tied_copies_equal": copies and (torch.equal(*copies), torch.equal(*(w.main_grad for w in copies))),
         "embedding_group": torch.distributed.get_process_group_ranks(parallel_state.get_embedding_group())
         if rank == 0 else None,
@@ -222,7 +223,7 @@ def _bf16_output_dtypes(stages: int, spec, rank: int) -> dict:
     """{chunk: output dtype} with Float16Module (bf16): only (rank 0, chunk 1) may upcast to fp32."""
     from megatron.core.transformer.module import Float16Module
 
-    harness.init_parallel_state(pp=stages, vpp=2)
+    process_groups.init_parallel_state(pp=stages, vpp=2)
     bf16 = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
     chunks = [Float16Module(c.config, c) for c in _build_chunks(spec, tied=False, **bf16)]
     return _run_by_hand(chunks, spec, stages, rank, 1, backward=False, dtype=torch.bfloat16)[1]
@@ -243,7 +244,7 @@ def _v_scenario(stages: int, spec) -> dict:
         for tied in (False, True):
             report[tied] = _v_case(stages, spec, rank, tied)
         report["bf16_output_dtypes"] = _bf16_output_dtypes(stages, spec, rank)
-        harness.init_parallel_state(pp=stages, vpp=2)
+        process_groups.init_parallel_state(pp=stages, vpp=2)
         try:
             _build_chunks(harness.ModelSpec(num_layers=2 * stages + 2), tied=False)
             report["indivisible"] = None
@@ -254,7 +255,7 @@ def _v_scenario(stages: int, spec) -> dict:
     after = _bindings()
     report["not_restored"] = sorted(f"{m}.{n}" for (m, n), value in before.items() if after[(m, n)] is not value)
     report["installed_after_uninstall"] = vshape_layout.installed()
-    harness.init_parallel_state(pp=stages, vpp=2)  # groups made without the patch: refused on every rank
+    process_groups.init_parallel_state(pp=stages, vpp=2)  # groups made without the patch: refused on every rank
     try:
         vshape_layout.install(stages)
         report["late_install"] = None

@@ -25,7 +25,7 @@ from megatron.zero_bubble.patches._patching import PatchError  # noqa: E402
 from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
-from tests.megatron.harness import free_port  # noqa: E402
+from tests.launching import free_port  # noqa: E402
 
 SEQ, BATCH, HIDDEN, FFN = 6, 2, 8, 12
 MICROBATCHES = 3
@@ -393,13 +393,13 @@ GPT_MICROBATCHES = 3
 
 def _tp2_layer_cases() -> dict:
     """Per case: what B+W got different from megatron's grad_input, weight and bias grads, bytes left."""
-    from tests.megatron import harness
+    from tests.megatron import process_groups
 
     from megatron.core.tensor_parallel import mappings
     from megatron.zero_bubble.patches._patching import PatchSet
     from megatron.zero_bubble.patches.cpu_backend_torch import CpuTorch
 
-    harness.init_parallel_state(tp=2)
+    process_groups.init_parallel_state(tp=2)
     # The CPU backend leaves mappings.py alone (GPTModel on CPU never uses sequence parallelism), but its
     # sequence-parallel reduce-scatter allocates on torch.cuda.current_device(): seen as the CPU here.
     sequence_parallel_on_cpu = PatchSet("test_sequence_parallel_on_cpu")
@@ -428,10 +428,10 @@ def _tp2_layer_cases_on(rank: int) -> dict:
 
 def _gpt_manual_run(chunk, spec, store=None, order=None) -> dict:
     """F and backward per microbatch by hand; with a store, B under split_backward and W in `order`."""
-    from tests.megatron import harness
+    from tests.megatron import rank_model
 
     def forward(mb):
-        batch = harness.mock_microbatch(mb, spec)
+        batch = rank_model.mock_microbatch(mb, spec)
         losses = chunk(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
         mask = batch["loss_mask"].view(-1)
         return torch.sum(losses.view(-1) * mask) / mask.sum()
@@ -450,27 +450,27 @@ def _gpt_manual_run(chunk, spec, store=None, order=None) -> dict:
                 loss.backward()
             store.close_microbatch(mb)
             peak_pending = max(peak_pending, store.pending_bytes)
-    return harness.full_grads([chunk]), peak_pending
+    return rank_model.full_grads([chunk]), peak_pending
 
 
 def _gpt_case(tp: int, sp: bool, ddp: bool, schedule: bool) -> dict:
     """Megatron's backward vs B/W split on a tiny GPTModel; returns {"equal": ..., "deferred": ...}."""
-    from tests.megatron import harness
+    from tests.megatron import harness, process_groups, rank_model
 
     spec = harness.ModelSpec()
-    harness.init_parallel_state(tp=tp)
+    process_groups.init_parallel_state(tp=tp)
 
     def build():
-        chunks = harness.build_gpt_chunks(spec, init_seed=0, sequence_parallel=sp)
+        chunks = rank_model.build_gpt_chunks(spec, init_seed=0, sequence_parallel=sp)
         if ddp:
-            chunks = harness.wrap_in_ddp(chunks)
+            chunks = rank_model.wrap_in_ddp(chunks)
             chunks[0].config.finalize_model_grads_func = None  # compare grads before any DP reduction
         return chunks[0]
 
     if schedule:  # megatron's own no-pipelining schedule, W flushed after it returns
         reference = build()
-        harness.run_forward_backward([reference], spec, GPT_MICROBATCHES)
-        want = harness.full_grads([reference])
+        rank_model.run_forward_backward([reference], spec, GPT_MICROBATCHES)
+        want = rank_model.full_grads([reference])
     else:
         want, _ = _gpt_manual_run(build(), spec)
     chunk = build()
@@ -478,10 +478,10 @@ def _gpt_case(tp: int, sp: bool, ddp: bool, schedule: bool) -> dict:
     deferred = store.attach(chunk, MEGATRON)
     if schedule:
         with store.split_backward():
-            harness.run_forward_backward([chunk], spec, GPT_MICROBATCHES)
+            rank_model.run_forward_backward([chunk], spec, GPT_MICROBATCHES)
         peak_pending = store.pending_bytes
         store.flush()
-        got = harness.full_grads([chunk])
+        got = rank_model.full_grads([chunk])
     else:
         got, peak_pending = _gpt_manual_run(chunk, spec, store, INTERLEAVED)
     assert store.pending_count == 0 and store.pending_bytes == 0
