@@ -79,8 +79,22 @@ def test_a_run_ends_cleanly_even_when_the_gloo_worker_of_its_last_collective_lag
     ours = exits.launch(str(tmp_path), "zb-h1", lagging_worker=lagging_worker)
     _assert_clean(ours)
     assert "gloo threads outlive" not in ours.output, ours.output[-3000:]  # every group's threads joined on every rank
-    theirs = exits.launch(str(tmp_path), "zb-h1", ending="megatron", lagging_worker=lagging_worker)
+    theirs = _megatrons_ending_under_the_injection(str(tmp_path), lagging_worker)
     assert theirs.finished_training and theirs.returncode != 0 and exits.TERMINATE in theirs.output, (
         "the injected lagging worker no longer aborts a process that ends with its groups alive (torch or CPython "
         f"may have changed how a thread that needs the GIL at finalization ends): {theirs.summary()}\n"
         + theirs.output[-3000:])
+
+
+CONTROL_LAUNCHES = 3
+
+
+def _megatrons_ending_under_the_injection(work: str, lagging_worker: str) -> exits.Launch:
+    """The first of up to CONTROL_LAUNCHES launches of megatron's ending that aborts (else the last): the injection
+    aborted 8 of 10 such launches in benchmarks/clean_exit.py, so one launch alone would fail the control now and
+    then; three all ending cleanly would mean the injection no longer reproduces the abort."""
+    for _ in range(CONTROL_LAUNCHES):
+        launch = exits.launch(work, "zb-h1", ending="megatron", lagging_worker=lagging_worker)
+        if launch.returncode != 0:
+            break
+    return launch

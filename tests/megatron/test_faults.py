@@ -33,15 +33,15 @@ def _launch(nproc: int, flags: list[str], timeout: float = 300) -> tuple[subproc
 
 @pytest.mark.slow
 def test_a_lost_message_stops_every_rank_with_a_line_saying_what_it_waits_for():
-    """Rank 1 never posts its last gradient send (PP=4): rank 0 waits for it until its watchdog fires; every rank
-    then prints where it stands (the others wait for no message: they are in megatron's step) and the job ends
-    non-zero, well before NCCL's or gloo's own timeouts."""
-    done, seconds = _launch(4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "zb-h1",
+    """Rank 1 never posts its last gradient send (PP=2): rank 0 waits for it until its watchdog fires; every rank
+    then prints where it stands (rank 1 waits for no message: it is in megatron's step) and the job ends non-zero,
+    well before NCCL's or gloo's own timeouts."""
+    done, seconds = _launch(2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
                                 "--train-iters", "3", "--zero-bubble-inject-fault", "lost-message:1",
                                 "--zero-bubble-watchdog-timeout", "5"])
     assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "zero-bubble: pipeline watchdog" in line]
-    assert sorted(int(WATCHDOG_LINE.search(line).group(2)) for line in lines) == [0, 1, 2, 3], done.stderr[-4000:]
+    assert sorted(int(WATCHDOG_LINE.search(line).group(2)) for line in lines) == [0, 1], done.stderr[-4000:]
     first = next(line for line in lines if "(global rank 0)" in line)
     assert first.startswith("zero-bubble: pipeline watchdog: rank 0 of the pipeline (global rank 0) has waited 5 s for "
                             "the gradient of microbatch 3 from stage 1 to stage 0 from rank 1, which B of microbatch 3 "
