@@ -2,7 +2,8 @@
 
     Runs(definitions, work)[label] -> Run   launched on first use (once per test session), its dependencies first
     Run.log                                  every rank's output, rank after rank (torchrun's --log-dir)
-    iteration_figures(log), validation_losses(log), same_training(ours, reference, ...), resumes_like(...)
+    iteration_figures(log), validation_losses(log), same_training(ours, reference, ...), resumes_like(...),
+    resumed_lines_like(...)
 A run that fails (non-zero exit), or whose teardown left a process group's gloo threads alive on a rank (such a
 process can abort at its end, training/teardown.py), fails every test that reads it, with its tail.
 """
@@ -123,15 +124,22 @@ def same_validation(ours: str, reference: str, tolerance: float = 0.0) -> None:
         assert abs(float(got) - float(expected)) <= tolerance * abs(float(expected)) if tolerance else got == expected
 
 
+def averaged_losses(first: int) -> set[int]:
+    """The iterations whose printed loss a run resumed at `first` and the uninterrupted run average differently (at
+    --log-interval 1): megatron's second logged iteration after a start prints the mean of two iterations' losses,
+    the uninterrupted run's 2 and the resumed run's first + 1."""
+    return {2, first + 1}
+
+
 def resumes_like(resumed: str, uninterrupted: str, first: int, last: int, evaluations_after: int,
                  norms_to_the_printed_digit: bool = False) -> None:
     """A run resumed from the checkpoint of iteration first-1 against the uninterrupted run: the norms of every
-    iteration; the loss where megatron prints one iteration's own (its second logged iteration after a start
-    averages two, as in any megatron run); the last `evaluations_after` evaluations."""
+    iteration; the loss where both print one iteration's own (averaged_losses); the last `evaluations_after`
+    evaluations."""
     assert "successfully loaded checkpoint" in resumed and min(iteration_figures(resumed)) == first
     mine, theirs = iteration_figures(resumed), iteration_figures(uninterrupted)
     for iteration in range(first, last + 1):
-        keys = [key for key in theirs[iteration] if key != "lm loss" or iteration != first + 1]
+        keys = [key for key in theirs[iteration] if key != "lm loss" or iteration not in averaged_losses(first)]
         for key in keys:
             got, expected = mine[iteration][key], theirs[iteration][key]
             if norms_to_the_printed_digit and key.endswith("norm"):
@@ -139,6 +147,22 @@ def resumes_like(resumed: str, uninterrupted: str, first: int, last: int, evalua
             else:
                 assert got == expected, f"{key} at iteration {iteration}"
     assert validation_losses(resumed) == validation_losses(uninterrupted)[-evaluations_after:] != []
+
+
+LOSS_FIELD = re.compile(r" lm loss: [0-9.E+-]+ \|")
+
+
+def resumed_lines_like(resumed: list[str], uninterrupted: list[str], first: int) -> None:
+    """iteration_lines of a run resumed at `first` against the uninterrupted run's from `first` on, field for field
+    (learning rate, loss scale, skipped iterations...): the loss where both print one iteration's own."""
+    by_iteration = lambda lines: {int(ITERATION_LINE.search(line).group(1)): line for line in lines}  # noqa: E731
+    mine, theirs = by_iteration(resumed), by_iteration(uninterrupted)
+    assert sorted(mine) == [iteration for iteration in sorted(theirs) if iteration >= first], (mine, theirs)
+    for iteration, line in mine.items():
+        expected = theirs[iteration]
+        if iteration in averaged_losses(first):
+            line, expected = (LOSS_FIELD.sub(" lm loss: (averaged) |", text) for text in (line, expected))
+        assert line == expected, f"iteration {iteration}:\n{line}\n{expected}"
 
 
 PARAMETERS_LINE = re.compile(r"number of parameters on \(tensor, \S+ pipeline\) model parallel rank "
