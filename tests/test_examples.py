@@ -8,7 +8,6 @@ as the tests are collected.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -22,7 +21,8 @@ import pytest
 
 from megatron.zero_bubble.training import arguments, devices
 from megatron.zero_bubble.training.teardown import THREADS_OUTLIVE
-from tests.launching import free_port, launch_environment
+from tests.launching import free_port
+from tests.megatron.refusal_checks import start_up_refusals
 
 pytestmark = pytest.mark.slow  # every example runs as a process (dry runs: bash; tiny runs: torchrun)
 
@@ -275,13 +275,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def start_up_checks(work) -> dict:
     """The start-up checks of the full-size commands, every case in one process (tests/megatron/refusal_checks.py)."""
-    path = work / "cases.json"
-    path.write_text(json.dumps(start_up_cases()))
-    done = subprocess.run([sys.executable, "tests/megatron/refusal_checks.py", str(path)], cwd=REPO,
-                          env=launch_environment(), capture_output=True, text=True, timeout=600)
-    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
-    assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(line[len("REFUSALS "):])
+    return start_up_refusals(start_up_cases(), work)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -3,15 +3,14 @@ torchrun quickstart passes pretrain_gpt.py's start-up checks at the world size i
 that imports megatron, as refusal_checks.py does for the examples)."""
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.launching import REPO, launch_environment
+from tests.launching import REPO
+from tests.megatron.refusal_checks import start_up_refusals
 
 README = Path(REPO) / "README.md"
 
@@ -80,10 +79,4 @@ def quickstart() -> tuple[list[str], int]:
 def test_the_quickstart_passes_every_start_up_check_of_pretrain_gpt(tmp_path):
     """megatron's parser and pretrain_gpt.py's start-up checks (flags, layer split, schedule, a trial plan) on the
     README's torchrun command; training it is what tests/megatron/test_pretrain_gpt.py does with these sizes."""
-    path = tmp_path / "cases.json"
-    path.write_text(json.dumps({"README quickstart": quickstart()}))
-    done = subprocess.run([sys.executable, "tests/megatron/refusal_checks.py", str(path)], cwd=REPO,
-                          env=launch_environment(), capture_output=True, text=True, timeout=300)
-    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
-    assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
-    assert json.loads(line[len("REFUSALS "):]) == {"README quickstart": None}
+    assert start_up_refusals({"README quickstart": quickstart()}, tmp_path) == {"README quickstart": None}

@@ -18,6 +18,23 @@ import traceback
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def start_up_refusals(cases: dict, directory) -> dict:
+    """The parent's side: `cases` {label: (flags, world size)} through this script in a process of its own (written
+    to `directory`); {label: the one-line refusal, or None}."""
+    import subprocess
+
+    from tests.launching import launch_environment
+
+    path = os.path.join(str(directory), "start-up-cases.json")
+    with open(path, "w") as f:
+        json.dump(cases, f)
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), path], cwd=REPO, env=launch_environment(),
+                          capture_output=True, text=True, timeout=600)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSALS ")), None)
+    assert line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[len("REFUSALS "):])
+
+
 def check_refusals(cases_path: str) -> None:
     """For each case (flags, world size): the one-line refusal of the start-up checks, or null."""
     sys.path.insert(0, REPO)
