@@ -3,5 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-# One worker per core (pytest-xdist), each test file on one worker: a file's launches share its module fixtures.
-exec "${PYTHON:-python3}" -m pytest -q -m "" --numprocesses auto --dist loadfile "$@" tests
+exec "${PYTHON:-python3}" -m pytest -q -m "" "$@" tests

@@ -29,9 +29,6 @@ def pytest_collection_modifyitems(items):
         for name, reason in missing.items():
             if item.get_closest_marker(name) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
-    # the slow files first (a stable sort keeps each file's order): with the suite spread over workers
-    # (scripts/test.sh), the many short files then fill the end instead of one long file running on alone
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def _missing_requirements(items) -> dict[str, str]:
