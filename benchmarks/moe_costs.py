@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,12 +31,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def model_flags(a, moe: bool) -> list[str]:
@@ -61,8 +54,10 @@ def measure(a, moe: bool, work: str) -> dict:
 
     dump = tempfile.mkdtemp(prefix="moe" if moe else "dense", dir=work)
     iters = a.timer_end + 1
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(a.stages), "--master-port",
-               str(_free_port()), "pretrain_gpt.py", *model_flags(a, moe), "--train-iters", str(iters),
+    from megatron.zero_bubble.tools.local_ranks import TORCHRUN_ONE_MACHINE
+
+    command = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_ONE_MACHINE, "--nproc-per-node", str(a.stages),
+               "pretrain_gpt.py", *model_flags(a, moe), "--train-iters", str(iters),
                "--pipeline-model-parallel-size", str(a.stages), "--enable-zero-bubble",
                "--zero-bubble-pipeline-timers-start-iter", str(a.timer_start),
                "--zero-bubble-pipeline-timers-end-iter", str(a.timer_end),

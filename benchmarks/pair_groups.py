@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -20,20 +19,20 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megatron.zero_bubble.tools.local_ranks import run_ranks  # noqa: E402
 
 
 def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
+def _rank(rank: int, world: int, directory: str, reps: int) -> None:
     from megatron.zero_bubble.runtime.links import PipelineLinks
+    from megatron.zero_bubble.tools.local_ranks import init_group
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_group("gloo", rank, world, directory)
     seconds, extra = [], []
     for _ in range(reps):
         dist.barrier()
@@ -43,7 +42,7 @@ def _rank(rank: int, world: int, port: int, reps: int, out: str) -> None:
         seconds.append(time.perf_counter() - start)
         extra.append(_threads() - before)
         links.close()
-    Path(f"{out}.{rank}").write_text(json.dumps({"seconds": seconds, "threads": extra}))
+    Path(directory, f"r.{rank}").write_text(json.dumps({"seconds": seconds, "threads": extra}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -55,12 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'p':>3}{'seconds to make (slowest rank) min / median / max':>52}{'threads per rank':>18}")
     for p in (int(x) for x in args.stages.split(",")):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        out = os.path.join(tempfile.mkdtemp(), "r")
-        mp.spawn(_rank, args=(p, port, args.reps, out), nprocs=p, join=True)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(p)]
+        directory = tempfile.mkdtemp()
+        run_ranks(_rank, p, directory, (args.reps,), 600, "spawn", "the pair groups' benchmark")
+        ranks = [json.loads(Path(directory, f"r.{r}").read_text()) for r in range(p)]
         slowest = [max(r["seconds"][i] for r in ranks) for i in range(args.reps)]
         threads = statistics.median(t for r in ranks for t in r["threads"])
         print(f"{p:>3}{min(slowest):>30.3f} / {statistics.median(slowest):.3f} / {max(slowest):.3f}{threads:>18.0f}")

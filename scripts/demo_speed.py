@@ -15,7 +15,6 @@ import argparse
 import glob
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from megatron.zero_bubble.tools.local_ranks import TORCHRUN_ONE_MACHINE  # noqa: E402
 ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 MODEL = ("--zero-bubble-cpu --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 256 --num-attention-heads 4 "
          "--seq-length 256 --max-position-embeddings 256 --micro-batch-size 2 --global-batch-size 16 --vocab-size 512 "
@@ -34,17 +34,11 @@ VARIANTS = {"megatron 1f1b": [], "zb-h1": ["--pipeline-schedule", "zb-h1", *NO_C
             "zb-v": ["--pipeline-schedule", "zb-v", *NO_CHECK]}
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(flags: list[str], iterations: int, dump: str | None) -> float:
     """Median ms per iteration of one launch (iterations 3 and on)."""
     extra = ["--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter", "4",
              "--zero-bubble-dump-schedule", dump] if dump and flags else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_ONE_MACHINE, "--nproc-per-node", "2",
                "pretrain_gpt.py", *MODEL, "--train-iters", str(iterations), "--eval-interval", str(iterations + 1),
                *flags, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")

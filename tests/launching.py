@@ -1,21 +1,16 @@
-"""Starting the product as users start it, from the tests: free ports, the environment, torchrun.
+"""Starting the product as users start it, from the tests: the environment, torchrun.
 
-    REPO, free_port(), launch_environment(), torchrun_command(nproc, args), torchrun(nproc, args, timeout)
+    REPO, launch_environment(), torchrun_command(nproc, args), torchrun(nproc, args, timeout)
 """
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
+from megatron.zero_bubble.tools.local_ranks import TORCHRUN_ONE_MACHINE
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch_environment(**extra: str) -> dict:
@@ -27,8 +22,9 @@ def launch_environment(**extra: str) -> dict:
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(free_port()), *args]
+    """torchrun on this machine; its agent's store takes a port of the kernel's choice (no race between launches)."""
+    return [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_ONE_MACHINE, "--nproc-per-node", str(nproc),
+            *args]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 600, **env: str) -> subprocess.CompletedProcess:

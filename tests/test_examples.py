@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron.zero_bubble.training import arguments, devices
+from megatron.zero_bubble.tools.local_ranks import TORCHRUN_ONE_MACHINE
 from megatron.zero_bubble.training.teardown import THREADS_OUTLIVE
-from tests.launching import free_port
 from tests.megatron.refusal_checks import start_up_refusals
 
 pytestmark = pytest.mark.slow  # every example runs as a process (dry runs: bash; tiny runs: torchrun)
@@ -310,8 +310,8 @@ def tiny_runs(work) -> dict[str, tuple[int, str, Path]]:
     results = {}
     for name, positional in TINY_RUNS.items():
         args = [str(work / f"{name}-ckpt") if word == "CKPT" else word for word in positional]
-        done = run_example(name, *args, timeout=900, TINY="1", MASTER_PORT=str(free_port()),
-                           TORCHRUN=f"{sys.executable} -m torch.distributed.run")
+        done = run_example(name, *args, timeout=900, TINY="1",
+                           TORCHRUN=" ".join([sys.executable, "-m", "torch.distributed.run", *TORCHRUN_ONE_MACHINE]))
         results[name] = (done.returncode, done.stdout + done.stderr, work)
     return results
 

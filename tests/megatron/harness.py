@@ -24,13 +24,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import time
 from typing import Callable
 
 import torch
-import torch.multiprocessing
-
-from tests.launching import free_port
+from megatron.zero_bubble.tools.local_ranks import init_group, run_ranks
 from tests.megatron.process_groups import destroy_parallel_state
 
 DEFAULT_TIMEOUT_S = 180.0
@@ -173,22 +170,8 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
     if start_method == "fork" and torch.distributed.is_available() and torch.distributed.is_initialized():
         start_method = "spawn"
     with tempfile.TemporaryDirectory(prefix="zb_harness_") as result_dir:
-        context = torch.multiprocessing.start_processes(
-            _rank_main,
-            args=(world_size, free_port(), result_dir, scenario, args, kwargs),
-            nprocs=world_size,
-            join=False,
-            start_method=start_method,
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"{scenario.__name__} did not finish on {world_size} ranks in {timeout:.0f} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+        run_ranks(_rank_main, world_size, result_dir, (scenario, args, kwargs), timeout, start_method,
+                  scenario.__name__)
         return [torch.load(os.path.join(result_dir, f"rank{rank}.pt"), weights_only=False)
                 for rank in range(world_size)]
 
@@ -207,8 +190,8 @@ def preload_megatron(training: bool = False) -> None:
         importlib.import_module("megatron.training.training")
 
 
-def _rank_main(rank, world_size, port, result_dir, scenario, args, kwargs):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+def _rank_main(rank, world_size, result_dir, scenario, args, kwargs):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), CUDA_DEVICE_MAX_CONNECTIONS="1")
     torch.set_num_threads(1)  # ranks share a few cores; more threads only contend
     device = rank_device()
@@ -216,7 +199,7 @@ def _rank_main(rank, world_size, port, result_dir, scenario, args, kwargs):
         from megatron.zero_bubble.patches import cpu_backend
 
         cpu_backend.install()
-    torch.distributed.init_process_group(device.backend, rank=rank, world_size=world_size)
+    init_group(device.backend, rank, world_size, result_dir)
     finished = False
     try:  # an exception reaches the parent with its traceback through torch.multiprocessing
         result = scenario(*args, **kwargs)

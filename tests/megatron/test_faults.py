@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.launching import REPO, free_port, launch_environment, torchrun_command
+from megatron.zero_bubble.tools.local_ranks import init_group, run_ranks
+from tests.launching import REPO, launch_environment, torchrun_command
 
 TINY = ("--zero-bubble-cpu --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 --tokenizer-type NullTokenizer "
@@ -88,12 +88,11 @@ def test_a_slow_rank_leaves_its_neighbours_measured_pass_times_as_they_were(tmp_
         assert costs["slow"][name][1] < 0.12  # the sleep is not the slow rank's pass time either
 
 
-def _head_to_head(rank: int, port: int, strict: bool, path: str) -> None:
+def _head_to_head(rank: int, world_size: int, directory: str, strict: bool) -> None:
     from megatron.zero_bubble.runtime.p2p import TorchP2P
     from megatron.zero_bubble.runtime.strict_p2p import StrictP2P
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    init_group("gloo", rank, world_size, directory)
     ops = StrictP2P(timeout_s=3.0) if strict else TorchP2P()
     pair = dist.new_group([0, 1])
     peer = 1 - rank
@@ -105,7 +104,7 @@ def _head_to_head(rank: int, port: int, strict: bool, path: str) -> None:
         result = ("done", inbox.tolist())
     except RuntimeError as error:
         result = ("failed", str(error))
-    Path(f"{path}.{rank}").write_text(json.dumps(result))
+    Path(directory, f"r.{rank}").write_text(json.dumps(result))
     if strict:
         os._exit(0)  # its streams stay stuck in gloo's receive, on purpose
     dist.destroy_process_group()
@@ -114,7 +113,7 @@ def _head_to_head(rank: int, port: int, strict: bool, path: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("strict", (False, True), ids=("gloo", "strict"))
 def test_the_strict_transport_refuses_receives_posted_head_to_head_where_gloo_forgives_them(strict, tmp_path):
-    mp.spawn(_head_to_head, args=(free_port(), strict, str(tmp_path / "r")), nprocs=2, join=True)
+    run_ranks(_head_to_head, 2, str(tmp_path), (strict,), 120, "spawn", "the head-to-head exchange")
     results = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(2)]
     if strict:
         assert all(r[0] == "failed" and "did not complete within 3 s" in r[1] for r in results), results

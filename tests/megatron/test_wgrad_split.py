@@ -25,7 +25,6 @@ from megatron.zero_bubble.patches._patching import PatchError  # noqa: E402
 from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 from megatron.zero_bubble.schedules.schedule import ScheduleError  # noqa: E402
-from tests.launching import free_port  # noqa: E402
 
 SEQ, BATCH, HIDDEN, FFN = 6, 2, 8, 12
 MICROBATCHES = 3
@@ -40,7 +39,7 @@ def tp_group():
     """
     owner = not dist.is_initialized()
     if owner:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     group = dist.new_group([0], backend="gloo")
     yield group
     dist.destroy_process_group(group)

@@ -30,7 +30,6 @@ import importlib.metadata
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -161,12 +160,6 @@ def executor_gaps_us(trace_path: str) -> list[float]:
 
 
 # -- launches ----------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run(command: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log.write_text(f"$ {' '.join(command)}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
@@ -212,10 +205,12 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
             launches[name] = (sizes.gpus, model + pipeline + flags + timers + ilp.get(name, []) +
                               ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")])
 
+    from .local_ranks import TORCHRUN_ONE_MACHINE  # (imports torch)
+
     def launch(name: str) -> subprocess.CompletedProcess:
         ranks, flags = launches[name]
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                   "--master-port", str(_free_port()), "pretrain_gpt.py", *flags]
+        command = [sys.executable, "-m", "torch.distributed.run", *TORCHRUN_ONE_MACHINE, "--nproc-per-node",
+                   str(ranks), "pretrain_gpt.py", *flags]
         return _run(command, out / f"pretrain-{name}.log", _env(cpu))
 
     with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
 
 from ..runtime.iteration import Iteration, LoweredRun
 from ..runtime.links import PipelineLinks
@@ -47,6 +45,7 @@ from ..schedules.costs import Costs
 from ..schedules.ops import Op, facts
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
+from .local_ranks import init_group, run_ranks
 
 DEFAULT_MESSAGE_KIB = 64
 
@@ -287,17 +286,10 @@ def _wait(seconds: float) -> None:
         _sleep_until(time.monotonic() + seconds)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, schedule_json: str, costs: Costs, options: RehearsalOptions,
-               result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, result_dir: str, schedule_json: str, costs: Costs,
+               options: RehearsalOptions) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_group("gloo", rank, world, result_dir)
     try:
         schedule = Schedule.from_json(schedule_json)
         lowered = LoweredRun.of(schedule)  # the lowering training runs
@@ -356,19 +348,8 @@ def rehearse(schedule: Schedule, costs: Costs, options: RehearsalOptions | None 
     timeline = simulate(schedule, costs)
     world = schedule.stages
     with tempfile.TemporaryDirectory(prefix="zb_rehearsal_") as result_dir:
-        context = torch.multiprocessing.start_processes(
-            _rank_main, args=(world, _free_port(), schedule.to_json(), costs, options, result_dir),
-            nprocs=world, join=False, start_method="fork" if not dist.is_initialized() else "spawn",
-        )
-        deadline = time.monotonic() + options.timeout_s
-        try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the rehearsal did not finish in {options.timeout_s:.0f} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+        run_ranks(_rank_main, world, result_dir, (schedule.to_json(), costs, options), options.timeout_s,
+                  "fork" if not dist.is_initialized() else "spawn", "the rehearsal")
         records = [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     return _report(schedule, timeline, records, options.unit_ms)
 
