@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-exec "${PYTHON:-python3}" -m pytest -q -m "" "$@" tests
+# One pytest-xdist worker per core, each test file on one worker (a file's launches share its module fixtures).
+# Launches never pick a port for another process to bind (tools/local_ranks.py), so workers can start them at once.
+exec "${PYTHON:-python3}" -m pytest -q -m "" --numprocesses auto --dist loadfile "$@" tests
