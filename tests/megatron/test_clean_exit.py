@@ -56,6 +56,38 @@ def test_a_group_still_held_at_the_end_is_reported_in_one_line(tmp_path):
     assert result["after_release"] == 0
 
 
+FROZEN_CHILD = """
+import gc, json, sys
+import torch
+from megatron.zero_bubble.training import teardown
+
+seen = {}
+
+def main():
+    seen["frozen"] = gc.get_freeze_count()
+    cycle = []
+    cycle.append(cycle)  # made by the run, dropped, a cycle: the collector must still find it
+    del cycle
+    seen["collected"] = gc.collect()
+    seen["walked"] = len(gc.get_objects())
+
+teardown.run_to_end(main)
+print("RESULT " + json.dumps(seen))
+"""
+
+
+def test_what_the_script_imported_is_frozen_and_what_the_run_makes_is_still_collected():
+    """run_to_end freezes the imported heap (torch here) before main: main's collections walk only what came since."""
+    done = subprocess.run([sys.executable, "-c", FROZEN_CHILD], cwd=REPO, env=launch_environment(),
+                          capture_output=True, text=True, timeout=120)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    seen = json.loads(line[len("RESULT "):])
+    assert seen["frozen"] > 50_000  # torch's import alone leaves some 100,000 tracked objects
+    assert seen["walked"] < seen["frozen"] / 10
+    assert seen["collected"] >= 1
+
+
 def _assert_clean(launch: exits.Launch) -> None:
     assert launch.clean, f"{launch.summary()}\n{launch.output[-6000:]}"
     assert launch.finished_training, launch.output[-4000:]
