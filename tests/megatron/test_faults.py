@@ -68,24 +68,19 @@ def test_a_split_check_difference_on_one_tensor_parallel_rank_stops_every_rank_i
 @pytest.mark.slow
 def test_a_slow_rank_leaves_its_neighbours_measured_pass_times_as_they_were(tmp_path):
     """Rank 1 of PP=3 sleeps 0.15 s before each pass; ranks 0 and 2 wait for it, but their pass clocks start once
-    the input has arrived, so their measured T_F / T_B / T_W stay near a run without it (waiting would add a tenth of
-    a second or more to passes of milliseconds)."""
-    costs = {}
-    for label, extra in (("steady", []), ("slow", ["--zero-bubble-inject-fault", "slow-rank:1:0.15"])):
-        dump = tmp_path / label
-        done, _ = _launch(3, ["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--enable-zero-bubble",
-                              "--zero-bubble-ilp-time-limit", "0", "--train-iters", "4",
-                              "--zero-bubble-pipeline-timers-start-iter", "2",
-                              "--zero-bubble-pipeline-timers-end-iter", "3", "--zero-bubble-dump-schedule", str(dump),
-                              *extra])
-        assert done.returncode == 0, done.stderr[-3000:]
-        replanned = json.loads(next(dump.glob("zb-auto-m*-iter4.json")).read_text())
-        costs[label] = replanned["costs"]
+    the input has arrived, so their measured T_F / T_B / T_W stay those of passes of milliseconds (1.7-8.4 ms
+    without the sleep, measured on the 2-core machine), where waiting would add a tenth of a second or more."""
+    done, _ = _launch(3, ["--pipeline-model-parallel-size", "3", "--num-layers", "6", "--enable-zero-bubble",
+                          "--zero-bubble-ilp-time-limit", "0", "--train-iters", "4",
+                          "--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter",
+                          "3", "--zero-bubble-dump-schedule", str(tmp_path), "--zero-bubble-inject-fault",
+                          "slow-rank:1:0.15"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    costs = json.loads(next(tmp_path.glob("zb-auto-m*-iter4.json")).read_text())["costs"]
     for name in ("t_f", "t_b", "t_w"):
         for stage in (0, 2):
-            steady, slow = costs["steady"][name][stage], costs["slow"][name][stage]
-            assert slow < steady + 0.05, (name, stage, steady, slow)  # a third of one wait for the slow rank
-        assert costs["slow"][name][1] < 0.12  # the sleep is not the slow rank's pass time either
+            assert costs[name][stage] < 0.05, (name, stage, costs[name])  # a third of one wait for the slow rank
+        assert costs[name][1] < 0.12  # the sleep is not the slow rank's pass time either
 
 
 def _head_to_head(rank: int, world_size: int, directory: str, strict: bool) -> None:
