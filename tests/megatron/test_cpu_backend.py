@@ -6,7 +6,9 @@ the import costs seconds of CPU per rank on a shared machine.
 """
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
 import types
 
@@ -257,6 +259,42 @@ def test_import_shims_stub_only_the_triton_module_and_alias_override():
         import typing_extensions
 
         assert typing.override is typing_extensions.override
+
+
+UNCOMPILED_CHILD = """
+import json, sys
+import torch
+from megatron.zero_bubble.patches import uncompiled_import
+from megatron.zero_bubble.training.setup import prepare_process
+
+compile_before = torch.compile
+prepare_process()  # what pretrain_gpt.py runs before its megatron imports
+import megatron.core.jit as jit
+from megatron.core.transformer.moe import router
+
+print("RESULT " + json.dumps({
+    "inductor_imported": "torch._inductor" in sys.modules,
+    "torch_compile_restored": torch.compile is compile_before,
+    "patch_installed": uncompiled_import.installed(),
+    "jit_fuser": jit.jit_fuser.__name__,
+    "router_compiled": hasattr(router.TopKRouter.__dict__["_apply_expert_bias"], "_torchdynamo_orig_callable"),
+}))
+"""
+
+
+@needs_cpu_only_machine
+def test_on_cpu_megatron_is_imported_without_compiling_and_torch_compile_is_torchs_again():
+    """In a process of its own (torch.compile is process-wide): megatron's decorations neither compile nor import
+    Inductor, megatron's jit_fuser is its own no-op after, and torch.compile is torch's own again."""
+    from tests.launching import REPO, launch_environment
+
+    done = subprocess.run([sys.executable, "-c", UNCOMPILED_CHILD], cwd=REPO, env=launch_environment(),
+                          capture_output=True, text=True, timeout=120)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    assert json.loads(line[len("RESULT "):]) == {"inductor_imported": False, "torch_compile_restored": True,
+                                                  "patch_installed": False, "jit_fuser": "noop_decorator",
+                                                  "router_compiled": False}
 
 
 # ---------------------------------------------------------------- Megatron's training loop

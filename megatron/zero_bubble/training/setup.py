@@ -23,19 +23,23 @@ from .layer_layout import layer_options_of, stage_layers_of
 
 def prepare_process() -> None:
     """Import shims (no triton, Python 3.11), megatron's dataset helpers as installed; with --zero-bubble-cpu (or
-    without CUDA, which the start-up checks then refuse) the CPU backend for megatron.training."""
+    without CUDA, which the start-up checks then refuse) megatron imported without compiling anything and the CPU
+    backend for megatron.training."""
     import sys
 
+    import torch
+
     from ..patches import imports, prebuilt_helpers
+    from ..patches.uncompiled_import import uncompiled_import
     from .devices import hide_gpus_if_asked
 
     hide_gpus_if_asked(sys.argv)  # before torch asks CUDA for its devices
+    cpu = not torch.cuda.is_available()
 
     imports.install()
-    prebuilt_helpers.install()  # a pip install of megatron-core has no Makefile for megatron's start-up `make`
-    import torch
-
-    if not torch.cuda.is_available():
+    with uncompiled_import() if cpu else contextlib.nullcontext():
+        prebuilt_helpers.install()  # imports megatron.training (and with it megatron-core's models and fusions)
+    if cpu:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron asks for it with TP > 1
         from ..patches import cpu_backend
 
