@@ -69,7 +69,6 @@ def main():
     cycle.append(cycle)  # made by the run, dropped, a cycle: the collector must still find it
     del cycle
     seen["collected"] = gc.collect()
-    seen["walked"] = len(gc.get_objects())
 
 teardown.run_to_end(main)
 print("RESULT " + json.dumps(seen))
@@ -84,7 +83,6 @@ def test_what_the_script_imported_is_frozen_and_what_the_run_makes_is_still_coll
     assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
     seen = json.loads(line[len("RESULT "):])
     assert seen["frozen"] > 50_000  # torch's import alone leaves some 100,000 tracked objects
-    assert seen["walked"] < seen["frozen"] / 10
     assert seen["collected"] >= 1
 
 
