@@ -1,9 +1,10 @@
 """Starting the product as users start it, from the tests: the environment, torchrun.
 
-    REPO, launch_environment(), torchrun_command(nproc, args), torchrun(nproc, args, timeout)
+    REPO, launch_environment(), torchrun_command(nproc, args), torchrun(nproc, args, timeout), child_result(args)
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -31,3 +32,13 @@ def torchrun(nproc: int, args: list[str], timeout: float = 600, **env: str) -> s
     """`torchrun --nproc-per-node nproc ARGS...` in the repository, to its end (stdout and stderr captured)."""
     return subprocess.run(torchrun_command(nproc, args), cwd=REPO, env=launch_environment(**env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def child_result(args: list[str], timeout: float = 120) -> dict:
+    """`python ARGS...` in a process of its own (for what is process-wide: threads, gc, torch.compile), which must
+    exit 0 and print one line `RESULT <json>`: that JSON."""
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=launch_environment(), capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
+    return json.loads(line[len("RESULT "):])

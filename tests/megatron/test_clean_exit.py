@@ -9,13 +9,11 @@ suite (pretrain_runs.py) is a single run too, and fails its tests unless torchru
 """
 from __future__ import annotations
 
-import pytest
-
-import json
-import subprocess
 import sys
 
-from tests.launching import REPO, launch_environment
+import pytest
+
+from tests.launching import child_result
 from tests.megatron import exits
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads by name in /proc")
@@ -23,11 +21,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="co
 
 def _end_of_a_process(scenario: str, tmp_path) -> dict:
     """tests/megatron/teardown_child.py in a process of its own (its gloo threads are counted process-wide)."""
-    done = subprocess.run([sys.executable, "tests/megatron/teardown_child.py", scenario, str(tmp_path / "store")],
-                          cwd=REPO, env=launch_environment(), capture_output=True, text=True, timeout=120)
-    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return child_result(["tests/megatron/teardown_child.py", scenario, str(tmp_path / "store")])
 
 
 @linux_only
@@ -77,11 +71,7 @@ print("RESULT " + json.dumps(seen))
 
 def test_what_the_script_imported_is_frozen_and_what_the_run_makes_is_still_collected():
     """run_to_end freezes the imported heap (torch here) before main: main's collections walk only what came since."""
-    done = subprocess.run([sys.executable, "-c", FROZEN_CHILD], cwd=REPO, env=launch_environment(),
-                          capture_output=True, text=True, timeout=120)
-    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
-    seen = json.loads(line[len("RESULT "):])
+    seen = child_result(["-c", FROZEN_CHILD])
     assert seen["frozen"] > 50_000  # torch's import alone leaves some 100,000 tracked objects
     assert seen["collected"] >= 1
 

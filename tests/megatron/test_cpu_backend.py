@@ -6,9 +6,7 @@ the import costs seconds of CPU per rank on a shared machine.
 """
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
 import sys
 import types
 
@@ -286,13 +284,9 @@ print("RESULT " + json.dumps({
 def test_on_cpu_megatron_is_imported_without_compiling_and_torch_compile_is_torchs_again():
     """In a process of its own (torch.compile is process-wide): megatron's decorations neither compile nor import
     Inductor, megatron's jit_fuser is its own no-op after, and torch.compile is torch's own again."""
-    from tests.launching import REPO, launch_environment
+    from tests.launching import child_result
 
-    done = subprocess.run([sys.executable, "-c", UNCOMPILED_CHILD], cwd=REPO, env=launch_environment(),
-                          capture_output=True, text=True, timeout=120)
-    line = next((line for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
-    assert done.returncode == 0 and line is not None, done.stdout[-2000:] + done.stderr[-3000:]
-    assert json.loads(line[len("RESULT "):]) == {"inductor_imported": False, "torch_compile_restored": True,
+    assert child_result(["-c", UNCOMPILED_CHILD]) == {"inductor_imported": False, "torch_compile_restored": True,
                                                   "patch_installed": False, "jit_fuser": "noop_decorator",
                                                   "router_compiled": False}
 

@@ -38,6 +38,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .local_ranks import TORCHRUN_ONE_MACHINE
+
 ROOT = Path(__file__).resolve().parents[3]
 EXIT_NO_CUDA = 2
 SCHEDULES = (("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
@@ -204,8 +206,6 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
         if name in schedules:
             launches[name] = (sizes.gpus, model + pipeline + flags + timers + ilp.get(name, []) +
                               ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")])
-
-    from .local_ranks import TORCHRUN_ONE_MACHINE  # (imports torch)
 
     def launch(name: str) -> subprocess.CompletedProcess:
         ranks, flags = launches[name]

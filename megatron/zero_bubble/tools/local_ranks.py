@@ -8,17 +8,15 @@ the other ranks read it and connect to a store that already listens. torchrun do
 
     run_ranks(main, world_size, directory, args, timeout_s, start_method, what)   main(rank, world_size, directory, *args)
     init_group(backend, rank, world_size, directory)                               in each rank, instead of env://
+
+torch is imported by the functions, not here: launchers that only need TORCHRUN_ONE_MACHINE (the demo's driver,
+gpu_check's parent) do not pay for its import.
 """
 from __future__ import annotations
 
 import os
 import time
 from typing import Callable
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing
-from torch.distributed.constants import default_pg_timeout
 
 TORCHRUN_ONE_MACHINE = ("--standalone",)  # torchrun's agent binds its store to a port of the kernel's choice
 _PORT_FILE = "store_port"
@@ -30,6 +28,8 @@ def run_ranks(main: Callable, world_size: int, directory: str, args: tuple, time
 
     A rank that raises makes this raise with its traceback (torch.multiprocessing's ProcessRaisedException);
     ranks still running after `timeout_s` are killed and TimeoutError names `what`."""
+    import torch.multiprocessing
+
     context = torch.multiprocessing.start_processes(main, args=(world_size, directory, *args), nprocs=world_size,
                                                     join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
@@ -45,6 +45,9 @@ def run_ranks(main: Callable, world_size: int, directory: str, args: tuple, time
 
 def init_group(backend: str, rank: int, world_size: int, directory: str) -> None:
     """The default process group of a rank started by `run_ranks`, on a store that rank 0 hosts."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
     path = os.path.join(directory, _PORT_FILE)
     timeout = default_pg_timeout  # what init_process_group gives its own store
     if rank == 0:
