@@ -110,10 +110,11 @@ def _comm_time(shape) -> float:
     """One-way time of a pipeline tensor between the two ranks (the runtime's own ping-pong measurement)."""
     import torch
     from megatron.core import parallel_state
+    from megatron.zero_bubble.runtime.p2p import TorchP2P
     from megatron.zero_bubble.runtime.profiling import measure_p2p_seconds
 
     figures = measure_p2p_seconds(parallel_state.get_pipeline_model_parallel_group(), shape, torch.float32,
-                                  torch.device("cpu"), repeats=20)
+                                  torch.device("cpu"), TorchP2P(), repeats=20)
     return figures[0] if figures else 0.0
 
 

@@ -1,12 +1,10 @@
-"""The communication lowering: in-order matching per rank pair, no deadlock, receives posted early."""
-import queue
-import threading
-
+"""The communication lowering: batches between the compute passes, a warm-up first, every message once."""
 import pytest
 
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError
 from megatron.zero_bubble.schedules.baselines import one_f_one_b
-from megatron.zero_bubble.schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
+from megatron.zero_bubble.schedules.comm import Batch, Recv, Send, Warmup, consumed, lower, posts, produced
+from megatron.zero_bubble.schedules.nccl_model import check_lowering
 
 
 def wavefront(p: int, m: int, layout: str, chunks: int) -> Schedule:
@@ -24,62 +22,21 @@ def wavefront(p: int, m: int, layout: str, chunks: int) -> Schedule:
     return s
 
 
-class FakeTransport:
-    """Gloo-like transport: asynchronous sends, receives matched FIFO per (source, destination), no tags."""
-
-    def __init__(self, p):
-        self.channels = {(a, b): queue.Queue() for a in range(p) for b in range(p)}
-
-    def run(self, schedule, programs, timeout=5.0):
-        errors = []
-
-        def rank_main(rank):
-            posted = {peer: [] for peer in range(schedule.stages)}  # receives in posting order
-            received = set()
-            try:
-                for item in programs[rank]:
-                    if isinstance(item, Send):
-                        self.channels[(rank, item.msg.dst)].put(item.msg)  # the payload names itself
-                    elif isinstance(item, Recv):
-                        posted[item.msg.src].append(item.msg)
-                    else:
-                        need = consumed(schedule, rank, item)
-                        while need is not None and need not in received:
-                            expected = posted[need.src].pop(0)
-                            got = self.channels[(need.src, rank)].get(timeout=timeout)
-                            if got != expected:
-                                raise AssertionError(f"rank {rank} expected {expected.describe()}, got {got.describe()}")
-                            received.add(got)
-            except Exception as e:  # collected and re-raised in the test thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(schedule.stages)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        assert all(c.empty() for c in self.channels.values()), "messages left undelivered"
-
-
 @pytest.mark.parametrize(
     "p,m,layout,chunks",
     [(2, 4, "single", 1), (4, 6, "single", 1), (2, 4, "v", 2), (3, 5, "v", 2), (4, 8, "interleaved", 2), (2, 1, "v", 2)],
 )
-def test_lowered_programs_run_on_in_order_transport(p, m, layout, chunks):
+def test_lowered_programs_run_on_the_model_of_nccl(p, m, layout, chunks):
     s = wavefront(p, m, layout, chunks)
-    programs = lower(s, Costs.make(s.num_virtual_stages, t_comm=0.1, chunks=chunks))
-    check_lowering(s, programs)
-    FakeTransport(p).run(s, programs)
+    costs = Costs.make(s.num_virtual_stages, t_comm=0.1, chunks=chunks)
+    check_lowering(s, lower(s, costs), costs)
 
 
 def test_v_layout_with_two_ranks_sends_activations_and_gradients_the_same_way():
     s = wavefront(2, 4, "v", 2)
     programs = lower(s)
-    kinds = {a.msg.kind for a in programs[0] if isinstance(a, Send) and a.msg.dst == 1}
+    kinds = {post.msg.kind for post in posts(programs[0]) if type(post) is Send and post.msg.dst == 1}
     assert kinds == {"act", "grad"}  # stage 0 -> 1 activations and stage 3 -> 2 gradients share 0 -> 1
-    FakeTransport(2).run(s, programs)
 
 
 def test_turn_of_the_v_stays_on_its_rank():
@@ -92,47 +49,58 @@ def test_turn_of_the_v_stays_on_its_rank():
 def test_every_message_is_sent_once_and_received_once():
     s = wavefront(4, 5, "interleaved", 2)
     programs = lower(s)
-    sends = [a.msg for prog in programs for a in prog if isinstance(a, Send)]
-    recvs = [a.msg for prog in programs for a in prog if isinstance(a, Recv)]
+    sends = [a.msg for prog in programs for a in posts(prog) if isinstance(a, Send)]
+    recvs = [a.msg for prog in programs for a in posts(prog) if isinstance(a, Recv)]
     assert sorted(sends, key=repr) == sorted(recvs, key=repr) and len(set(sends)) == len(sends)
 
 
-def test_receives_are_posted_before_the_compute_that_needs_them():
+def test_receives_come_before_the_pass_that_needs_them_and_sends_after_the_pass_that_produces_them():
     s = one_f_one_b(4, 8)
     for rank, program in enumerate(lower(s)):
-        posted = set()
+        received, computed = set(), set()
         for item in program:
-            if isinstance(item, Recv):
-                posted.add(item.msg)
-            elif isinstance(item, Pass):
+            if type(item) is Batch:
+                assert item.group == "pipeline" and item.ops
+                for post in item.ops:
+                    if type(post) is Recv:
+                        received.add(post.msg)
+                    else:
+                        assert post.msg in computed
+            elif type(item) is Pass:
                 need = consumed(s, rank, item)
-                assert need is None or need in posted
+                assert need is None or need in received
+                computed.add(produced(s, rank, item))
 
 
-def test_swapped_receive_order_is_caught():
+def test_each_program_starts_with_a_warm_up_of_exactly_the_links_it_uses():
+    s = wavefront(4, 8, "interleaved", 2)
+    for rank, program in enumerate(lower(s)):
+        peers = {post.msg.dst if type(post) is Send else post.msg.src for post in posts(program)}
+        assert program[0] == Warmup(sorted(peers)) and peers == {(rank - 1) % 4, (rank + 1) % 4}
+        assert not any(type(item) is Warmup for item in program[1:])
+
+
+def test_a_pass_waits_for_no_receive_due_after_it_the_rest_of_the_posts_before_it_go_in_a_second_batch():
+    s = wavefront(4, 12, "interleaved", 2)
+    costs = Costs.make(8, t_comm=0.1, chunks=2)
+    seconds = 0
+    for rank, program in enumerate(lower(s, costs)):
+        for k, item in enumerate(program):
+            if type(item) is Pass and consumed(s, rank, item) is not None and type(program[k - 1]) is Batch:
+                last = program[k - 1]
+                if type(program[k - 2]) is Batch:  # the pass needs a message of the first of two batches
+                    seconds += 1
+                    need = Recv(consumed(s, rank, item))
+                    assert need in program[k - 2].ops and need not in last.ops
+                    assert program[k - 2].ops[-1] == need  # cut right after it
+    assert seconds > 0
+
+
+def test_swapped_receives_are_caught():
     s = one_f_one_b(2, 3)
     programs = lower(s)
-    recv_positions = [i for i, a in enumerate(programs[1]) if isinstance(a, Recv)]
-    i, j = recv_positions[0], recv_positions[1]
+    batches = [i for i, a in enumerate(programs[1]) if type(a) is Batch and type(a.ops[0]) is Recv]
+    i, j = batches[0], batches[1]
     programs[1][i], programs[1][j] = programs[1][j], programs[1][i]
     with pytest.raises(ScheduleError, match="rank 1"):
         check_lowering(s, programs)
-    with pytest.raises(AssertionError, match="expected the activation of microbatch 1"):
-        FakeTransport(2).run(s, programs, timeout=1.0)
-
-
-def test_crossing_sends_posted_before_receives_deadlock_on_a_serial_pair_stream():
-    s = wavefront(2, 3, "v", 2)
-    programs = lower(s)
-    # Rank 1 posts each receive only just before the compute that needs it, so at some point both ranks
-    # have a send to the other at the head of their pair stream.
-    late = []
-    for item in programs[1]:
-        if isinstance(item, Pass) and consumed(s, 1, item) is not None:
-            late.append(Recv(consumed(s, 1, item)))
-        if not isinstance(item, Recv):
-            late.append(item)
-    programs[1] = late
-    FakeTransport(2).run(s, programs)  # gloo's asynchronous sends tolerate this ...
-    with pytest.raises(ScheduleError, match="communication deadlock"):
-        check_lowering(s, programs)  # ... NCCL's serial per-pair stream does not

@@ -4,7 +4,7 @@ import pytest
 
 from megatron.zero_bubble.schedules import Costs, ScheduleError
 from megatron.zero_bubble.schedules.baselines import one_f_one_b
-from megatron.zero_bubble.schedules.comm import Recv, Send
+from megatron.zero_bubble.schedules.comm import Batch, Send, Warmup
 from megatron.zero_bubble.schedules.held_memory import held_memory_profile, lowered_programs, pipeline_tensors_held
 from megatron.zero_bubble.schedules.memory import memory_profile
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan
@@ -13,10 +13,11 @@ from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 def _program_text(program) -> str:
     words = []
     for item in program:
-        if isinstance(item, (Send, Recv)):
-            words.append(f"{'+' if isinstance(item, Send) else '-'}{item.msg.kind.value}{item.msg.mb}")
+        if type(item) is Batch:
+            words.append("[" + " ".join(f"{'+' if type(post) is Send else '-'}{post.msg.kind.value}{post.msg.mb}"
+                                        for post in item.ops) + "]")
         else:
-            words.append(str(item))
+            words.append("warm" if type(item) is Warmup else str(item))
     return " ".join(words)
 
 
@@ -24,18 +25,20 @@ def test_1f1b_on_two_ranks_counts_receives_ahead_sends_in_flight_and_the_input_m
     schedule = one_f_one_b(2, 3)
     programs = lowered_programs(schedule)
     # the lowering these counts were worked out on
-    assert _program_text(programs[0]) == "F0 +act0 F1 +act1 -grad0 BW0 F2 +act2 -grad1 -grad2 BW1 BW2"
-    assert _program_text(programs[1]) == "-act0 -act1 F0 BW0 +grad0 -act2 F1 BW1 +grad1 F2 BW2 +grad2"
-    # rank 0: outputs until the gradient of microbatch 0 arrives (posted after both sends: both complete), then the
-    # output of F2 until the gradient of microbatch 1, then the early receive of gradient 2.
-    # rank 1, after F0: the receive of act1; after BW0 also F0's input (kept by megatron until F1) and its gradient
-    # (sent, complete only once act2, whose receive was posted after the send, arrives at F2); ...
-    assert pipeline_tensors_held(schedule, after_a_call=False) == [[1, 2, 0, 1, 1, 0], [1, 3, 2, 4, 1, 3]]
+    assert _program_text(programs[0]) == "warm F0 [+act0] F1 [+act1 -grad0] BW0 F2 [+act2 -grad1] BW1 [-grad2] BW2"
+    assert _program_text(programs[1]) == "warm [-act0] F0 [-act1] BW0 [+grad0] F1 BW1 [-act2] [+grad1] F2 BW2 [+grad2]"
+    # rank 0: F0's and F1's outputs until BW0 waits for their batches (it frees F0's output and takes grad0 from the
+    # second), then F2's output until BW1 waits for its batch; each gradient's receive is posted after the pass
+    # before the one that needs it, so no read sees it.
+    # rank 1, after BW0: the receive of act1, F0's input (kept by megatron until F1) and its gradient (sent; its
+    # batch is waited for only at F2, whose receive comes after it); after F1 that gradient alone; after BW1 also
+    # F1's input and gradient; after F2 the gradient of BW1, whose batch no pass waits for, until the end.
+    assert pipeline_tensors_held(schedule, after_a_call=False) == [[1, 2, 0, 1, 0, 0], [0, 3, 1, 3, 1, 3]]
 
 
 def test_outputs_kept_until_their_backward_without_deallocate_pipeline_outputs():
     held = pipeline_tensors_held(one_f_one_b(2, 3), after_a_call=False, outputs_freed_when_sent=False)
-    assert held[0] == [1, 2, 1, 2, 2, 0]  # F1's output stays until BW1, F2's until BW2
+    assert held[0] == [1, 2, 1, 2, 1, 0]  # F1's output stays until BW1, F2's until BW2
 
 
 def test_after_a_call_the_previous_calls_kept_input_and_its_gradient_go_at_the_first_forward():
@@ -47,12 +50,13 @@ def test_after_a_call_the_previous_calls_kept_input_and_its_gradient_go_at_the_f
 def test_a_v_turn_holds_what_it_hands_over_on_the_same_rank():
     schedule = plan("zb-v", PlanRequest(stages=2, microbatches=2, ilp_time_limit=0))
     program = lowered_programs(schedule)[1]  # rank 1 holds virtual stages 1 and 2: the V's turn
-    assert _program_text(program) == ("-act0 -act1 F0 F0.1 +act0 -grad0 F1 F1.1 +act1 B0.1 B0 +grad0 -grad1 W0.1 W0 "
-                                      "B1.1 B1 +grad1 W1.1 W1")
-    # after F0: the receive of act1 and F0's output handed to F0.1; after B0.1 its input gradient handed to B0 and
-    # the output of F1.1 (sent, complete once grad1 arrives); from B1.1 on the last input of each chunk and its
-    # gradient stay (megatron keeps them), and B1's gradient waits for the end of the call
-    assert pipeline_tensors_held(schedule, after_a_call=False)[1] == [2, 2, 3, 3, 2, 2, 3, 3, 2, 4, 4, 4]
+    assert _program_text(program) == ("warm [-act0] F0 [-act1] F0.1 [+act0] F1 F1.1 [-grad0] [+act1] B0.1 B0 [+grad0] "
+                                      "W0.1 W0 [-grad1] B1.1 B1 [+grad1] W1.1 W1")
+    # after F0: F0's output handed to F0.1; after F0.1 the receive of act1 and F0.1's output (sent; B0.1 waits for
+    # its batch); after B0.1 its input gradient handed to B0 and the output of F1.1 (sent; its batch is waited for at
+    # B1.1), after B0 that output and B0's gradient; from B1.1 on the last input of each chunk and its gradient stay
+    # (megatron keeps them), and B1's gradient waits for the end of the call
+    assert pipeline_tensors_held(schedule, after_a_call=False)[1] == [1, 2, 2, 2, 2, 2, 2, 2, 2, 4, 4, 4]
 
 
 def test_held_memory_is_the_activation_profile_plus_the_tensors_in_bytes():

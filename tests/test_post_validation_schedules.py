@@ -8,7 +8,8 @@ import pytest
 
 from megatron.zero_bubble.schedules import Costs, Pass, Schedule, ScheduleError, simulate, validate
 from megatron.zero_bubble.cli import main
-from megatron.zero_bubble.schedules.comm import Message, Recv, Send, check_lowering, consumed, lower, produced
+from megatron.zero_bubble.schedules.comm import Batch, Message, Recv, Send, Warmup, consumed, lower, posts, produced
+from megatron.zero_bubble.schedules.nccl_model import check_lowering
 from megatron.zero_bubble.schedules.memory import memory_profile
 from megatron.zero_bubble.schedules.ops import facts
 from megatron.zero_bubble.schedules.planners import SCHEDULES, PlanRequest, plan
@@ -59,12 +60,35 @@ def action(rank: int, token: str):
     return Pass(op, int(token[len(op) :]))
 
 
-def actions(rank: int, text: str) -> list:
-    return [action(rank, t) for t in text.split()]
+def actions(rank: int, text: str, stages: int = 2) -> list:
+    """A program in compact notation: `warm` (a warm-up of the rank's neighbours), passes, and batches of posts in
+    brackets: "warm F0 [+act0 -grad1] B0"."""
+    program, batch = [], None
+    for token in text.replace("[", " [ ").replace("]", " ] ").split():
+        if token == "warm":
+            program.append(Warmup([q for q in (rank - 1, rank + 1) if 0 <= q < stages]))
+        elif token == "[":
+            batch = []
+        elif token == "]":
+            program.append(Batch(batch))
+            batch = None
+        elif batch is not None:
+            batch.append(action(rank, token))
+        else:
+            program.append(action(rank, token))
+    return program
 
 
 def without_validation(program):
-    return [a for a in program if a != V and not (isinstance(a, (Send, Recv)) and a.msg.kind == "valid")]
+    """The program as a rollback restarts it: no warm-up, no V, no validation result."""
+    out = []
+    for item in program:
+        if type(item) is Batch:
+            kept = [post for post in item.ops if post.msg.kind != "valid"]
+            out += [Batch(kept)] if kept else []
+        elif type(item) is not Warmup and item != V:
+            out.append(item)
+    return out
 
 
 def compute_only(passes):
@@ -215,7 +239,7 @@ def test_no_receive_for_after_v_is_posted_before_v(name):
             for rank, program in enumerate(lower(schedule, costs)):
                 v = program.index(V)
                 needed_after = {consumed(schedule, rank, x) for x in program[v + 1 :] if isinstance(x, Pass)}
-                early = [x for x in program[:v] if isinstance(x, Recv) and x.msg in needed_after]
+                early = [x for x in posts(program[:v]) if isinstance(x, Recv) and x.msg in needed_after]
                 assert early == [], (name, p, m, rank)
 
 
@@ -225,39 +249,33 @@ def test_no_receive_for_after_v_is_posted_before_v(name):
 def test_one_f_one_b_p2_m4_rollback_by_hand():
     schedule = with_post_validation(plan("1f1b", PlanRequest(2, 4)))
     programs = lower(schedule)
-    # Rank 0 gets the result before V; rank 1 posts the receive of act1 (needed by F1, after V) after V, and
-    # after it sent the result on (act1 counts from just after rank 1's V in the pair's order).
-    # S comes last: rank 0 sends its statistics on, rank 1 (the last) receives them and holds the full sums.
+    # Rank 0 gets the result before V; rank 1 receives act1 (needed by F1, after V) after V, in the batch that sends
+    # the result on: act1 is exchanged at rank 1's V, which rank 0 has passed by then, so rank 0 sends it after its
+    # own V. S comes last: rank 0 sends its statistics on, rank 1 (the last) receives them and holds the full sums.
     assert programs == [
-        actions(0, "F0 +act0 -valid F1 +act1 V -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 S +stats"),
-        actions(1, "-act0 F0 V +valid -act1 BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3 -stats S"),
+        actions(0, "warm F0 [+act0] F1 [-valid] V [+act1 -grad0] BW0 F2 [+act2 -grad1] BW1 F3 [+act3 -grad2] BW2 "
+                   "[-grad3] BW3 S [+stats]"),
+        actions(1, "warm [-act0] F0 V [+valid -act1] BW0 [+grad0] F1 BW1 [-act2] [+grad1] F2 BW2 [-act3] [+grad2] F3 "
+                   "BW3 [+grad3 -stats] S"),
     ]
-    # Rank 0 sent act0 and act1 before its V; rank 1 consumed only act0 before its V, so act1 is stale.
+    # Nothing is sent before its sender's V that its receiver takes after its own: no stale message to drain.
     # Rank 1 sends nothing before its V, so rank 0 has nothing to drain and no one to pass the result to.
     assert rollback_programs(schedule, programs) == [
-        RollbackProgram(
-            after_validation=[],
-            restart=actions(0, "F0 +act0 F1 +act1 -grad0 BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 S "
-                               "+stats"),
-        ),
-        RollbackProgram(
-            after_validation=actions(1, "+valid -act1"),
-            restart=actions(1, "-act0 F0 -act1 BW0 +grad0 -act2 F1 BW1 +grad1 -act3 F2 BW2 +grad2 F3 BW3 +grad3 "
-                               "-stats S"),
-        ),
+        RollbackProgram(after_validation=[], restart=without_validation(programs[0])),
+        RollbackProgram(after_validation=actions(1, "[+valid]"), restart=without_validation(programs[1])),
     ]
 
 
-def test_zb_h1_p3_m6_rollback_by_hand():
-    schedule = with_post_validation(plan("zb-h1", PlanRequest(3, 6)))
+def test_zb_h2_p3_m6_rollback_by_hand():
+    schedule = with_post_validation(plan("zb-h2", PlanRequest(3, 6)))
     programs = lower(schedule)
     rollbacks = rollback_programs(schedule, programs)
-    # Before V, rank r runs the F of microbatches 0..p-1-r and sends each on: rank 0 sends act0..act2,
-    # rank 1 act0 and act1. Rank 1 consumes act0 and act1 before its V, rank 2 only act0: the stale ones
-    # are act2 on rank 1 and act1 on rank 2. Gradients are all sent after the sender's V: none is stale.
-    assert [r.after_validation for r in rollbacks] == [[], actions(1, "+valid -act2"), actions(2, "+valid -act1")]
+    # Before V, rank r runs the F of microbatches 0..2p-2-2r and sends each on; rank 1 consumes act0..act2 before
+    # its V and rank 2 act0 only: the stale ones are act3 and act4 on rank 1 and act1 and act2 on rank 2, drained
+    # in the batches they came in, after the result went on.
+    assert [r.after_validation for r in rollbacks] == [
+        [], actions(1, "[+valid -act3] [-act4]", 3), actions(2, "[+valid -act1] [-act2]", 3)]
     assert [r.restart for r in rollbacks] == [without_validation(p) for p in programs]
-    assert rollbacks[2].restart[:8] == actions(2, "-act0 F0 -act1 B0 +grad0 -act2 F1 B1")
 
 
 @pytest.mark.parametrize("name", ("1f1b", "zb-h1"))
@@ -267,29 +285,31 @@ def test_with_the_1f1b_warm_up_each_rank_drains_at_most_one_stale_activation(nam
         rollbacks = rollback_programs(schedule, lower(schedule))
         assert rollbacks[0].after_validation == []
         for r in range(1, p):
-            # rank r-1 runs min(p-r+1, m) F passes before its V, rank r consumes min(p-r, m) of them.
-            stale = {action(r, f"-act{p - r}")} if p - r < m else set()
-            after = rollbacks[r].after_validation
-            assert set(after) == stale | {action(r, "+valid")} and len(after) == len(stale) + 1, (p, m, r)
+            after = list(posts(rollbacks[r].after_validation))
+            assert after[0] == action(r, "+valid"), (p, m, r)
+            assert all(type(post) is Recv and post.msg.kind == "act" for post in after[1:]) and len(after) <= 2
+
+
+def _swapped(program: list, first: Recv, second: Recv) -> list:
+    """The program with the two receives' places exchanged."""
+    swap = {first: second, second: first}
+    return [Batch([swap.get(post, post) for post in item.ops]) if type(item) is Batch else item for item in program]
 
 
 def test_check_rollback_catches_swapped_stale_receives():
     schedule = with_post_validation(plan("zb-h2", PlanRequest(3, 6)))
     programs = lower(schedule)
     stale = actions(1, "-act3 -act4")
-    assert [x for x in rollback_programs(schedule, programs)[1].after_validation if x in stale] == stale
-    swapped = list(programs[1])
-    i, j = swapped.index(stale[0]), swapped.index(stale[1])
-    swapped[i], swapped[j] = swapped[j], swapped[i]
+    assert [x for x in posts(rollback_programs(schedule, programs)[1].after_validation) if x in stale] == stale
     with pytest.raises(ScheduleError, match="after a rollback.*activation of microbatch"):
-        check_rollback(schedule, [programs[0], swapped, programs[2]])
+        check_rollback(schedule, [programs[0], _swapped(programs[1], *stale), programs[2]])
 
 
 def test_check_rollback_catches_a_gradient_receive_posted_before_v():
     schedule = with_post_validation(plan("1f1b", PlanRequest(2, 4)))
     programs = lower(schedule)
-    early = actions(0, "F0 +act0 -valid F1 +act1 -grad0 V BW0 F2 +act2 -grad1 BW1 F3 +act3 -grad2 -grad3 BW2 BW3 "
-                       "S +stats")
+    early = actions(0, "warm F0 [+act0] F1 [+act1] [-valid] [-grad0] V BW0 F2 [+act2 -grad1] BW1 F3 [+act3 -grad2] "
+                       "BW2 [-grad3] BW3 S [+stats]")
     check_lowering(schedule, [early, programs[1]])  # fine without a rollback...
     with pytest.raises(ScheduleError, match=r"after a rollback, schedule '1f1b'.*gradient of microbatch 0"):
         check_rollback(schedule, [early, programs[1]])  # ...but the replayed grad4 meets the posted grad0

@@ -31,16 +31,20 @@ from megatron.zero_bubble.tools.local_ranks import init_group, run_ranks
 from tests.megatron.process_groups import destroy_parallel_state
 
 DEFAULT_TIMEOUT_S = 180.0
-# Every case's messages go through the stand-in of NCCL's point-to-point (runtime/strict_p2p.py): in order per
-# process group, a send done only with its receive. gloo alone would forgive what NCCL does not. A stuck operation
-# fails the case after a minute, naming itself (the watchdog, which would end the process, is off here).
+# Every case's messages go through the stand-in of NCCL's point-to-point (tools/strict_p2p.py): the rules of the model
+# the programs are proven on (in order per process group, a batch posted only once the previous one completed, a send
+# done only with its receive, a link's first use blocking until the peer's). gloo alone would forgive what NCCL does
+# not. A stuck batch fails the case after a minute, naming itself (the watchdog is off here).
 
 
 def strict_messaging():
     """The messaging options every case's session runs under (training_case.CaseRun)."""
-    from megatron.zero_bubble.runtime.messaging import MessagingOptions
+    from functools import partial
 
-    return MessagingOptions(strict=True, watchdog_timeout_s=0, strict_timeout_s=60.0)
+    from megatron.zero_bubble.runtime.messaging import MessagingOptions
+    from megatron.zero_bubble.tools.strict_p2p import StrictP2P
+
+    return MessagingOptions(p2p=partial(StrictP2P, 60.0), watchdog_timeout_s=0)
 
 
 @dataclasses.dataclass(frozen=True)

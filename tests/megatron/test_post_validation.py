@@ -4,8 +4,11 @@ One spawned group of 4 ranks runs every scenario (PP=4; PP=2 x DP=2 with DDP; TP
 PP=2 x EP=2): several iterations of zb-h1 with V passes and the speculative step, against megatron's own 1F1B
 schedule and synchronous optimizer step. The parent compares parameters with torch.equal (or reports ulps).
 """
+import collections
 import contextlib
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +69,39 @@ def _recorded_collectives(log: list):
             setattr(dist, name, original)
 
 
+SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")  # what reads a tensor on the host
+PACKAGE = str(Path(layout_of.__code__.co_filename).parent.parent)  # megatron/zero_bubble
+PASSING_ON = {"patches/cpu_backend_torch.py:make"}  # forwards megatron's own calls to torch's factories (CPU only)
+# S and V: the optimizer step's statistics and verdict, and its undo on a rollback (once per iteration, not per pass)
+STEP_DECISIONS = ("runtime/post_validation.py:", "runtime/step_statistics.py:", "runtime/optimizer_rollback.py:",
+                  "runtime/step_undo.py:")
+
+
+@contextlib.contextmanager
+def _host_syncs(sites: collections.Counter):
+    """Count the host's reads of tensors made by this package's own code (the immediate caller), by file and function:
+    on a GPU each one stops the host until the GPU gets there."""
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def counting(name, original):
+        def counted(self, *args, **kwargs):
+            code = sys._getframe(1).f_code
+            if code.co_filename.startswith(PACKAGE):
+                site = f"{Path(code.co_filename).relative_to(PACKAGE)}:{code.co_name}"
+                if site not in PASSING_ON:
+                    sites[site] += 1
+            return original(self, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 @contextlib.contextmanager
 def _inf_injected(chunks, active: bool):
     """With `active`: an inf in the first gradient once the gradients are final, before the step sees them."""
@@ -97,10 +133,12 @@ def _run_case(case: Case) -> dict:
         if case.post_validation:
             controller = run.session.start_post_validation(optimizer, chunks, exact=case.exact,
                                                            layout=layout_of(case.schedule), chunks=len(chunks))
-        step_collectives, outcomes, grad_norms = [], [], []
+        step_collectives, outcomes, grad_norms, syncs = [], [], [], []
         for it in range(case.steps):
             injected = case.inject is not None and case.inject[0] == it
-            with _inf_injected(chunks, injected and case.inject[1] == stage), _recorded_collectives(step_collectives):
+            syncs.append(collections.Counter())
+            with _inf_injected(chunks, injected and case.inject[1] == stage), _recorded_collectives(step_collectives), \
+                    _host_syncs(syncs[-1]):
                 run.iteration(it, keep_grads=False)  # the S pass takes the statistics in there
             if controller is not None and controller.last_outcome is not None and it > 0:
                 outcomes.append(dataclasses.asdict(controller.last_outcome))  # the verdict on step it-1
@@ -117,7 +155,7 @@ def _run_case(case: Case) -> dict:
             tied = chunks[0].module.shared_embedding_or_output_weight().detach().clone()
         return run.report(
             grads={}, tied=tied, collectives=step_collectives, stage_of_rank=stage_of_rank, outcomes=outcomes,
-            grad_norms=grad_norms, rollbacks=controller.rollbacks if controller is not None else 0,
+            grad_norms=grad_norms, rollbacks=controller.rollbacks if controller is not None else 0, host_syncs=syncs,
             statistics_groups=[block.ranks for block in controller.blocks] if controller is not None else None,
             **_moe_state(case, chunks))
 
@@ -384,3 +422,17 @@ def test_moe_metrics_wait_for_the_printed_iterations_and_are_reported_with_each_
     assert tracker.reported == [(1, {"loss": [1, 1]}), (2, {"loss": [2, 2], "z_loss": [0, 0]}),
                                 (3, {"loss": [3, 3], "z_loss": [0.5, 0.5]}), (4, {"loss": [4, 4], "z_loss": [0, 0]}),
                                 (5, {"loss": [5, 5], "z_loss": [0, 0]})]
+
+
+def test_the_runtime_reads_no_tensor_on_the_host_in_its_passes_and_messages(reports):
+    """On a GPU every read of a tensor on the host (.item(), bool(), ...) stops the host until the GPU gets there, and
+    the Python between passes then shows as idle GPU time. Counted by a wrapper of the tensor's reading methods around
+    every iteration of every case, by the runtime's own calls: the only ones are the optimizer step's decisions in
+    the S and V passes (post-validation: the statistics, the verdict, a rollback's undo), once per iteration; none in
+    the iteration, its messages or the compute passes, per-token loss included (its counts stay on the device).
+    Megatron's own reads inside its forward_step count as megatron's."""
+    for label, runs in reports.items():
+        for run in runs:
+            for step, sites in enumerate(run["host_syncs"]):
+                elsewhere = {site: n for site, n in sites.items() if not site.startswith(STEP_DECISIONS)}
+                assert not elsewhere, (label, run["pp_rank"], step, sites)

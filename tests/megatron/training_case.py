@@ -109,10 +109,6 @@ class CaseRun:
             messaging=strict_messaging()))
         try:
             init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp, ep=case.layout.ep)
-            if self.session.executor is not None:  # the pair groups, made before any iteration is looked at
-                from megatron.core import parallel_state
-
-                self.session.executor.connect(parallel_state.get_pipeline_model_parallel_group())
             self.chunks = build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout,
                                            calculate_per_token_loss=case.per_token)
             self.ddp = case.ddp or case.megatron_optimizer

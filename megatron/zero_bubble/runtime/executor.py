@@ -90,13 +90,8 @@ class PipelineExecutor:
             store.detach()
         self.stores, self._attached_to = [], None
 
-    def connect(self, pp_group) -> None:
-        """Make the pipeline's pair groups now (collective over every rank of the job; otherwise the first call
-        makes them)."""
-        self.messaging.links(pp_group)
-
     def close(self) -> None:
-        """release(), and the pair groups, streams and watchdog of the messages (at the end of the run)."""
+        """release(), and the operations and watchdog of the messages (at the end of the run)."""
         self.release()
         self.messaging.close()
 

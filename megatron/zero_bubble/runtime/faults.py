@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schedules.comm import Send, posts
 from ..schedules.ops import carries_microbatch
 
 KINDS = ("split-mismatch", "lost-message", "slow-rank")
@@ -57,8 +58,7 @@ class Faults:
         """The send of `program` (a lowered program) that is lost: its last activation or gradient, once per run."""
         if "lost-message" not in self.mine or self._dropped:
             return None
-        sends = [item.msg for item in program if hasattr(item, "msg") and type(item).__name__ == "Send"
-                 and carries_microbatch(item.msg.kind)]
+        sends = [post.msg for post in posts(program) if type(post) is Send and carries_microbatch(post.msg.kind)]
         if not sends:
             return None
         self._dropped = True

@@ -1,7 +1,8 @@
 """One forward-backward call of one pipeline rank: walk its lowered program, move the tensors between passes.
 
-An `Iteration` never decides order: it runs the items of the program `lower` produced and `check_lowering`
-proved (compute passes, and the sends and receives between them), waits for each pass's input before the
+An `Iteration` never decides order: it runs the items of the program `lower` produced and the model of NCCL
+proved (a warm-up, compute passes, and the batches of sends and receives between them), waits for each pass's input
+before the
 pass's clock starts, and hands each compute pass to a `PassCompute`, the public hook that says what F, B, BW
 and W do: `megatron_passes.MegatronPasses` runs megatron's forward_step / backward_step (training), the
 rehearsal (tools/rehearsal.py) waits for the planned duration. An observer, when given, sees every pass with
@@ -19,9 +20,10 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..schedules.comm import Recv, Send, check_lowering, consumed, lower, produced
+from ..schedules.comm import Batch, Send, Warmup, consumed, lower, produced
 from ..schedules.costs import Costs
 from ..schedules.ops import Kind, Op
+from ..schedules.nccl_model import check_lowering
 from ..schedules.post_validation import check_rollback, rollback_programs
 from ..schedules.schedule import Pass, Schedule, ScheduleError
 from .faults import Faults
@@ -37,9 +39,9 @@ class StepValidation(Protocol):
     size: int  # elements of the summaries that the S and V passes send
     has_pending: bool  # a speculative step waits for its validation
 
-    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
+    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """S: this rank's gradient statistics added to the partial sums (None: first of the chain); tokens: the
-        loss stage's token count (per-token loss; p2p.PipelineTransport.token_counts)."""
+        loss stage's token count on the device (per-token loss; p2p.PipelineTransport.token_counts)."""
 
     def receive_result(self, result: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
         """V: the full sums (None: this rank holds them) -> (the sums to pass on, replay?)."""
@@ -81,8 +83,9 @@ class PassCompute(Protocol):
     def pass_timer(self, clock: Callable[[], float]):
         """What times an observed pass's compute (pass_timer.py): start(), stop() -> (start, end) on `clock`."""
 
-    def token_count(self) -> int:
-        """The tokens this call's loss functions counted on this rank (0 where there is no loss)."""
+    def token_count(self) -> torch.Tensor:
+        """The tokens this call's loss functions counted on this rank (0 where there is no loss), on the device:
+        reading it on the host would stop the host until the GPU gets there."""
 
 
 PassObserver = Callable[[Pass, float, float], None]  # (pass, start, end), times of the iteration's clock
@@ -180,16 +183,11 @@ class Iteration:
         settle = self.settle
         lost = self.faults.lost_send(program) if self.faults else None
         for item in program:
-            if isinstance(item, Recv):
-                self.transport.post_recv(item.msg)
-            elif isinstance(item, Send):
-                tensor, on_done = self.outgoing.pop(item.msg)
-                if item.msg == lost:  # on purpose: as if sent, but the peer waits for it until its watchdog fires
-                    if on_done is not None:
-                        on_done()
-                    continue
-                self.transport.post_send(item.msg, tensor, on_done, tokens=self.tokens_known())
-                settle()  # right after V's result went on (a no-op after other sends)
+            if type(item) is Batch:
+                self.transport.post_batch(self._without(item, lost), self._outgoing_of, self._tokens)
+                settle()  # right after V's result went on (a no-op otherwise)
+            elif type(item) is Warmup:
+                self.transport.warm_up(item.peers)
             elif item.op == Op.V:
                 if self._observed(item, self.validate_step):
                     self.replay()
@@ -200,7 +198,7 @@ class Iteration:
                 settle()  # no pass may run on weights that are not validated yet
                 if self.faults and self.faults.delay_s:
                     time.sleep(self.faults.delay_s)  # a slow rank, on purpose
-                self.transport.reap_sends()
+                self.transport.reap()
                 self._await_inputs(item)
                 self._observed(item, getattr(self, _COMPUTE_PASS[item.op]), compute=True)
                 self._account(item)
@@ -209,6 +207,21 @@ class Iteration:
         for store in self.stores:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
+
+    def _outgoing_of(self, msg) -> tuple:
+        return self.outgoing.pop(msg)
+
+    def _tokens(self) -> torch.Tensor | None:
+        return self.tokens_known() if self.transport.token_counts else None
+
+    def _without(self, batch: Batch, lost) -> Batch:
+        """The batch without the send lost on purpose (as if sent: the peer waits for it until its watchdog fires)."""
+        if lost is None or Send(lost) not in batch.ops:
+            return batch
+        _, on_done = self.outgoing.pop(lost)
+        if on_done is not None:
+            on_done()
+        return Batch([post for post in batch.ops if post != Send(lost)], batch.group)
 
     def _observed(self, p: Pass, run: Callable, compute: bool = False):
         """Run a pass; an observer sees its start and end (a compute pass's as its timer reads them)."""
@@ -272,16 +285,14 @@ class Iteration:
         if self.rewind is None:
             raise ScheduleError("post-validation asked for a replay, but no step was pending when the iteration began")
         settle = self.settle
-        for item in self.rollback.after_validation:
-            if isinstance(item, Send):
-                tensor, on_done = self.outgoing.pop(item.msg)
-                self.transport.post_send(item.msg, tensor, on_done)
-                settle()
-            else:  # a message its sender computed before its own V: received and dropped
-                self.transport.post_recv(item.msg)
-                self.transport.wait_recv(item.msg)
+        for batch in self.rollback.after_validation:  # the result on, and the stale messages received and dropped
+            self.transport.post_batch(batch, self._outgoing_of)
+            settle()
+            for post in batch.ops:
+                if type(post) is not Send:
+                    self.transport.wait_recv(post.msg)
         settle()
-        self.transport.reap_sends(block=True)
+        self.transport.finish()
         for held in (self.outgoing, self.saved, self.handoff, self.received):
             held.clear()
         self.compute.restart()
@@ -293,10 +304,11 @@ class Iteration:
         finally:
             self.replaying = False
 
-    def tokens_known(self) -> int:
-        """The loss stage's token count as far as this rank knows it: its own count on the loss stage, else
-        the largest that came with a gradient (complete by the rank's last backward; p2p.py)."""
-        return max(self.compute.token_count(), self.transport.tokens_received)
+    def tokens_known(self) -> torch.Tensor:
+        """The loss stage's token count as far as this rank knows it, on the device: its own count on the loss
+        stage, else the largest that came with a gradient (complete by the rank's last backward; p2p.py)."""
+        received = self.transport.tokens_received
+        return torch.maximum(self.compute.token_count().reshape(1).to(received.device, received.dtype), received)
 
     def _account(self, p: Pass) -> None:
         s = self.stats

@@ -136,5 +136,5 @@ class MegatronPasses:
     def pass_timer(self, clock):
         return pass_timer(self.device, clock)
 
-    def token_count(self) -> int:
-        return int(self.total_num_tokens.item())
+    def token_count(self) -> torch.Tensor:
+        return self.total_num_tokens

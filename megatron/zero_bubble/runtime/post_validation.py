@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..schedules.comm import Recv, Send, consumed, lower
+from ..schedules.comm import Batch, Warmup, consumed, lower
 from ..schedules.post_validation import validation_only
 from . import step_statistics
 from .p2p import current_device
@@ -149,10 +149,10 @@ class PostValidation:
 
     # -- the S pass and the step (replaces optimizer.step()) ----------------------------------------
     @torch.no_grad()
-    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: int = 0) -> torch.Tensor:
+    def statistics(self, partial: torch.Tensor | None, final: bool, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """S: add this rank's gradient statistics to the partial sums (None on the chain's first rank) and
         decide this rank's step; returns the sums to pass on (the full sums when `final`). tokens: the loss
-        stage's token count, which came with the gradients (per-token loss; p2p.PipelineTransport)."""
+        stage's token count on the device, which came with the gradients (per-token loss; p2p.PipelineTransport)."""
         if self.pending is not None:
             raise RuntimeError("optimizer post-validation: a step ran before the previous one was validated")
         if self.model_chunks is not None:
@@ -291,10 +291,10 @@ class PostValidation:
         transport = self.make_transport((1,), torch.float, self.device, validation_numel=self.size)
         summary = None
         for item in lower(schedule)[self.stage]:
-            if isinstance(item, Recv):
-                transport.post_recv(item.msg)
-            elif isinstance(item, Send):
-                transport.post_send(item.msg, summary)
+            if type(item) is Warmup:
+                transport.warm_up(item.peers)
+            elif type(item) is Batch:
+                transport.post_batch(item, lambda msg: (summary, None))
             else:
                 need = consumed(schedule, self.stage, item)
                 summary = self.own_summary() if need is None else transport.wait_recv(need)
@@ -319,11 +319,12 @@ class PostValidation:
             zero_grad(*args, **kwargs)
 
     # -- pieces of megatron's step, kept stage-local -------------------------------------------------
-    def _divide_by_tokens(self, loss_stage_tokens: int) -> None:
+    def _divide_by_tokens(self, loss_stage_tokens: torch.Tensor | None) -> None:
         """Megatron's per-token-loss normalisation (finalize_model_grads), from the loss stage's count that came
         with the gradients instead of a broadcast from the last stage: summed over data-parallel replicas, then
         every gradient divided by it."""
-        count = torch.tensor(loss_stage_tokens, dtype=torch.int, device=self.device)
+        count = (torch.zeros((), dtype=torch.int, device=self.device) if loss_stage_tokens is None
+                 else loss_stage_tokens.reshape(()).to(self.device, torch.int))
         dist.all_reduce(count, group=self.data_parallel_group)
         scaling = 1.0 / torch.clamp(count, min=1)
         for chunk in self.model_chunks:

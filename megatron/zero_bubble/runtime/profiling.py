@@ -3,7 +3,7 @@
 During the timer window a `Profiler` takes every pass time from the executor's pass observer, the bytes
 each F saves for backward (`saved_activation_bytes`, tensors autograd keeps, weights excluded), and
 the bytes each B leaves in the chunk's WeightGradStore for its W, into a `PassProfile`. `measure_p2p_seconds` times a
-ping-pong of one pipeline tensor between neighbouring ranks. Medians make the figures robust to the odd
+ping-pong of one pipeline tensor between neighbouring ranks, posted as the runtime posts its messages. Medians make the figures robust to the odd
 slow pass; `summary()` is plain data (lists of floats) so that it can be gathered to one rank.
 """
 from __future__ import annotations
@@ -148,8 +148,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def measure_p2p_seconds(pp_group, shape, dtype, device, repeats: int = 5) -> list[float]:
-    """One-way seconds of one pipeline tensor, from a ping-pong with each neighbouring rank.
+def measure_p2p_seconds(pp_group, shape, dtype, device, ops, repeats: int = 5) -> list[float]:
+    """One-way seconds of one pipeline tensor, from a ping-pong with each neighbouring rank, posted as the runtime
+    posts its messages: batches (`ops`, p2p.P2POps) on the pipeline group, so on the communicator it sends on.
 
     Every rank of the pipeline group must call this. Pairs (0, 1), (1, 2), ... run one after another;
     the left rank of each pair times `repeats` round trips after one warm-up and returns half the median
@@ -167,14 +168,14 @@ def measure_p2p_seconds(pp_group, shape, dtype, device, repeats: int = 5) -> lis
             if rank == left:
                 _synchronize(device)
                 start = time.perf_counter()
-                dist.send(buffer, peer, group=pp_group)
-                dist.recv(buffer, peer, group=pp_group)
+                ops.batch([(True, buffer, peer)], pp_group).wait()
+                ops.batch([(False, buffer, peer)], pp_group).wait()
                 _synchronize(device)
-                if attempt:  # the first exchange sets up the connection
+                if attempt:  # the first exchange may still set the link up
                     round_trips.append(time.perf_counter() - start)
             else:
-                dist.recv(buffer, peer, group=pp_group)
-                dist.send(buffer, peer, group=pp_group)
+                ops.batch([(False, buffer, peer)], pp_group).wait()
+                ops.batch([(True, buffer, peer)], pp_group).wait()
         if round_trips:
             figures.append(statistics.median(round_trips) / 2)
     return figures

@@ -181,7 +181,8 @@ class ReplanningPipeline:
         pg = call_kwargs.get("pg_collection") or self.megatron.default_pg_collection()
         shape = self.megatron.pipeline_tensor_shape(config, pg, call_kwargs["seq_length"],
                                                     call_kwargs["micro_batch_size"], call_kwargs.get("decoder_seq_length"))
-        t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, current_device())
+        t_comm = measure_p2p_seconds(pg.pp, shape, config.pipeline_dtype, current_device(),
+                                     self.executor.messaging.ops)
         report = self.profiler.report(len(chunks), pg.pp.rank())
         element = torch.empty((), dtype=config.pipeline_dtype).element_size()
         report.update(pipeline_tensor_bytes=math.prod(shape) * element,  # for the held-memory model

@@ -1,16 +1,21 @@
-"""The pipeline watchdog: a rank that waits for a message too long says where the pipeline stands, and the job ends.
+"""The pipeline watchdog: a rank that waits for a message too long says where the pipeline stands.
 
-NCCL's own watchdog ends a hung job after many minutes (megatron's default: 10) with nothing about where the
-pipeline stood. This one looks, from a thread of its own, at the rank's transport (p2p.PipelineTransport): the
-operation the rank is blocked on, or, where the backend reports completion (NCCL, whose works the rank does not block
-on), the oldest operation posted and not completed. When it has waited longer than `timeout_s`, the watchdog prints
-one line, in the schedule's terms: the message, the peer, the pass that needs it, and the head of what is in flight
-on each link. It then tells the other ranks through the job's store, so that each prints its own line too, and ends
-the process with EXIT_STUCK. A rank that is told while it waits for no message says so in its line.
+From a thread of its own it looks at the rank's transport (p2p.PipelineTransport): the batch the host is blocked on,
+or, where the backend reports completion (NCCL, whose works the host does not block on), the oldest message posted
+and not completed. When that has waited longer than `timeout_s` it prints one line, in the schedule's terms: the
+message, the peer, the pass that needs it, and the head of what is in flight with each peer, and counts itself in the
+job's store (one call, only then), so the line says how many ranks reported before it.
+
+By default that is all: ending a hung job is left to PyTorch's NCCL watchdog at the process group's timeout
+(megatron's --distributed-timeout-minutes), which writes the flight recorder's dump megatron configures
+(--flight-recorder-dump-path). A stall shorter than that (a slow read of the data, a straggler) costs a line, not the
+job. With `abort` (--zero-bubble-watchdog-abort) the watchdog ends the job itself once it has printed: it writes the
+flight recorder's dump first, aborts the NCCL process groups, and exits with EXIT_STUCK.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 import threading
 import time
@@ -18,19 +23,42 @@ from typing import Callable
 
 EXIT_STUCK = 3
 STORE_KEY = "zero_bubble/watchdog"
-GRACE_S = 3.0  # how long the first rank to report waits for the others' lines before it ends
+
+
+def dump_flight_recorder(rank: int) -> str | None:
+    """Write PyTorch's flight recorder to where megatron points it (TORCH_FR_DUMP_TEMP_FILE + rank, as PyTorch names
+    its own dumps); the file, or None when no path is set or there is no recorder."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix:
+        return None
+    from torch._C import _distributed_c10d as c10d
+
+    path = f"{prefix}{rank}"
+    with open(path, "wb") as out:
+        out.write(c10d._dump_fr_trace())
+    return path
+
+
+def abort_process_groups() -> None:
+    """Abort every NCCL communicator, so that no rank is left inside a collective of this one (NCCL only)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == dist.Backend.NCCL:
+        dist.distributed_c10d._abort_process_group()
 
 
 class PipelineWatchdog:
     """One per rank. `watch(transport, needed_by)` for the duration of an iteration (`None` after it)."""
 
-    def __init__(self, timeout_s: float, rank: int, pp_rank: int, store=None, log: Callable[[str], None] | None = None,
-                 end: Callable[[int], None] = os._exit, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, timeout_s: float, rank: int, pp_rank: int, store=None, abort: bool = False,
+                 log: Callable[[str], None] | None = None, end: Callable[[int], None] = os._exit,
+                 clock: Callable[[], float] = time.monotonic):
         self.timeout_s, self.rank, self.pp_rank = timeout_s, rank, pp_rank
-        self.store, self.end, self.clock = store, end, clock
+        self.store, self.abort, self.end, self.clock = store, abort, end, clock
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self.transport = None
         self.needed_by: Callable = lambda msg: None
+        self.reported: object = None  # the late post this rank printed its line for
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -48,21 +76,32 @@ class PipelineWatchdog:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=GRACE_S + 2.0)  # it wakes at once, unless it is reporting (then it ends the process)
+            thread.join(timeout=5.0)
 
     def _run(self) -> None:
         period = min(1.0, self.timeout_s / 10)
         while not self._stop.wait(period):
-            line = self.check()
-            if line is None and self.store is not None and self._told():
-                line = self.describe(told=True)
-            if line is not None:
-                self._report(line)
-                return
+            self.poll()
+
+    def poll(self) -> str | None:
+        """Report the late post once (and end the job with `abort`); the line, when it printed one."""
+        late = self._late()
+        if late is None or late[0] is self.reported or self.clock() - late[1] <= self.timeout_s:
+            return None
+        self.reported = late[0]
+        line = self.describe(late) + self._count_in()
+        self.log(line)
+        if self.abort:
+            path = dump_flight_recorder(self.rank)
+            self.log(f"zero-bubble: pipeline watchdog: rank {self.rank} wrote the flight recorder to {path}" if path
+                     else "zero-bubble: pipeline watchdog: no flight-recorder dump (set --flight-recorder-dump-path)")
+            abort_process_groups()
+            self.end(EXIT_STUCK)
+        return line
 
     def _late(self):
-        """(the late operation, since when) or None: what the rank is blocked on, or where the backend reports
-        completion (NCCL: the rank runs ahead of its GPU), the oldest operation not completed."""
+        """(the late post, since when) or None: what the host is blocked on, or where the backend reports
+        completion (NCCL: the host runs ahead of its GPU), the oldest post not completed."""
         transport = self.transport
         if transport is None:
             return None
@@ -74,20 +113,9 @@ class PipelineWatchdog:
                 return stuck[0], stuck[0].at
         return None
 
-    def check(self) -> str | None:
-        """The line to print when the rank has waited for an operation longer than the timeout, else None."""
-        late = self._late()
-        if late is not None and self.clock() - late[1] > self.timeout_s:
-            return self.describe()
-        return None
-
-    def describe(self, told: bool = False) -> str:
-        who = f"zero-bubble: pipeline watchdog: rank {self.pp_rank} of the pipeline (global rank {self.rank})"
-        late = self._late()
-        if late is None:
-            return (f"{who} waits for no pipeline message (between forward-backward calls, or in a collective); "
-                    f"another rank's watchdog fired, so this one stops too")
+    def describe(self, late) -> str:
         oldest, since = late
+        who = f"zero-bubble: pipeline watchdog: rank {self.pp_rank} of the pipeline (global rank {self.rank})"
         if oldest.is_send:
             what = f"its send of {oldest.msg.describe()} to rank {oldest.peer} to complete"
         else:
@@ -100,22 +128,15 @@ class PipelineWatchdog:
             heads.setdefault(p.peer, p)
         queued = "; ".join(f"with rank {peer}: the {'send' if p.is_send else 'receive'} of {p.msg.describe()} "
                            f"({sum(1 for q in in_flight if q.peer == peer)} in flight)" for peer, p in heads.items())
-        return f"{who} has waited {self.clock() - since:.0f} s for {what}; heads of its links: {queued}" + (
-            " (stopped by another rank's watchdog)" if told else f" (--zero-bubble-watchdog-timeout {self.timeout_s:g})")
+        return (f"{who} has waited {self.clock() - since:.0f} s for {what}; heads of its links: {queued} "
+                f"(--zero-bubble-watchdog-timeout {self.timeout_s:g})")
 
-    def _told(self) -> bool:
+    def _count_in(self) -> str:
+        """Count this report in the job's store: the only store call, made once the rank's own timer fired."""
+        if self.store is None:
+            return ""
         try:
-            return self.store.check([STORE_KEY])
+            n = int(self.store.add(STORE_KEY, 1))
         except Exception:  # noqa: BLE001 - a store that is gone tells nothing
-            return False
-
-    def _report(self, line: str) -> None:
-        self.log(line)
-        if self.store is not None:
-            if not self._told():
-                try:
-                    self.store.set(STORE_KEY, str(self.rank))
-                except Exception:  # noqa: BLE001
-                    pass
-            time.sleep(GRACE_S)  # every rank prints its line before the first to end takes the job down
-        self.end(EXIT_STUCK)
+            return ""
+        return "; the first rank to report" if n == 1 else f"; {n - 1} rank(s) reported before it"

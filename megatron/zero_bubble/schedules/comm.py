@@ -1,27 +1,35 @@
-"""Communication lowering: where each rank posts its sends and receives between compute passes.
+"""Communication lowering: which sends and receives each rank posts, batched, between its compute passes.
 
-NCCL (and gloo without tags) match point-to-point messages between two ranks in posting order, and NCCL
-runs the operations of one rank pair on one stream, one after another, in both directions. So for every
-pair of ranks we fix ONE sequence of messages (by the simulated time they are produced) and both ranks
-post their side of it in that order: sends right after the compute that produces them, receives as
-early as that order allows, so they overlap with compute. `check_lowering` replays the programs under
-those strict rules (a pair's operations complete only head-to-head, in order) and names any deadlock.
-Which message a pass sends or receives is read from ops.TABLE: an F's activation goes one virtual stage
-up, a B's (or BW's) gradient one down, the post-validation passes' summaries (V's result, S's partial
-statistics) one rank on along their chain (see post_validation.py); a pass receives what its cross-stage
-dependency sends. After a replay point (V) every receive the rank needs is posted after it.
+The wire is megatron's: every message goes on the one pipeline process group ("pipeline", named alike on both ends),
+and what a rank posts between two compute passes goes out as one batch (`torch.distributed.batch_isend_irecv`: one
+NCCL kernel). Each rank's program starts with a warm-up that touches every link it will use, so no rank's host
+blocks later at a first use (nccl_model.py, rule 5).
+
+Each message is exchanged at the time its producer ends in the simulated timeline: the sender posts it in the batch
+right after the pass that produces it; the receiver posts its receive in the batch at the last pass boundary it
+reaches by then (before the pass running at that time), so the transfer overlaps that pass as the plan assumes, and
+at the latest right before the pass that consumes it. Both ends therefore post every message at the same point of
+one global order (by exchange time), batch after batch: a batch's partners are posted at about the same time on the
+neighbours, and no batch waits long for its peers (rules 1 to 3, 6). Where a pass consumes a message of the batch
+right before it, the receives due only later go into a second batch after it, so that the pass waits for no more
+than it needs (a batch completes as a whole).
+A message its receiver consumes only after its replay point (V) is exchanged after that V on the receiver (a receive
+posted before V could be matched by a replayed message after a rollback).
+`nccl_model.check_lowering` replays the programs on the model of NCCL and CUDA and names the first stuck item.
+Which message a pass sends or receives is read from ops.TABLE: an F's activation goes one virtual stage up, a B's (or
+BW's) gradient one down, the post-validation passes' summaries (V's result, S's partial statistics) one rank on along
+their chain (see post_validation.py); a pass receives what its cross-stage dependency sends.
 """
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from operator import itemgetter
-from typing import NamedTuple, Union
+from typing import Iterator, NamedTuple, Union
 
-from .channels import MODELS, ChannelModel
 from .costs import Costs
 from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
-from .simulate import Timeline, simulate
+from .simulate import Timeline, provides, requires, simulate
 
 
 class _MessageFields(NamedTuple):
@@ -76,7 +84,57 @@ class Recv(_Post):
     __slots__ = ()
 
 
-Action = Union[Pass, Send, Recv]
+PIPELINE_GROUP = "pipeline"  # the process group every pipeline message goes on: megatron's pipeline group
+
+
+class Batch:
+    """Sends and receives posted together, as one NCCL kernel (`batch_isend_irecv`) on a process group."""
+
+    __slots__ = ("ops", "group")
+
+    def __init__(self, ops, group: str = PIPELINE_GROUP):
+        self.ops: tuple[Send | Recv, ...] = tuple(ops)
+        self.group = group
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Batch and other.ops == self.ops and other.group == self.group
+
+    def __hash__(self) -> int:
+        return hash((self.ops, self.group))
+
+    def __repr__(self) -> str:
+        return f"Batch({list(self.ops)!r}, group={self.group!r})"
+
+
+class Warmup:
+    """A first exchange with each of `peers` on a process group, all at once: made before the first iteration, so
+    that no later first use of a link blocks a host (nccl_model.py, rule 5)."""
+
+    __slots__ = ("peers", "group")
+
+    def __init__(self, peers, group: str = PIPELINE_GROUP):
+        self.peers: tuple[int, ...] = tuple(peers)
+        self.group = group
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Warmup and other.peers == self.peers and other.group == self.group
+
+    def __hash__(self) -> int:
+        return hash((self.peers, self.group))
+
+    def __repr__(self) -> str:
+        return f"Warmup({list(self.peers)!r}, group={self.group!r})"
+
+
+Post = Union[Send, Recv]
+Action = Union[Pass, Batch, Warmup]
+
+
+def posts(program: list[Action]) -> Iterator[Post]:
+    """The sends and receives of a program, in posting order."""
+    for item in program:
+        if type(item) is Batch:
+            yield from item.ops
 
 
 # A message without its microbatch: kind, stages (from, to), ranks (from, to), and the kind's number (for keys
@@ -103,7 +161,7 @@ def _links(schedule: Schedule, rank: int, chunk: int, op) -> tuple[Link | None, 
     return send, recv
 
 
-def _link_table(schedule: Schedule) -> list[dict]:
+def link_table(schedule: Schedule) -> list[dict]:
     """_links for every (chunk, op) of every rank, worked out once per schedule."""
     return [{(chunk, op): _links(schedule, rank, chunk, op) for chunk in range(schedule.chunks) for op in TABLE}
             for rank in range(schedule.stages)]
@@ -124,7 +182,7 @@ def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     return _message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
 
 
-_ORDER = itemgetter(0, 1, 2)  # a pair's messages: by (production order, producing rank, its position)
+_ORDER = itemgetter(0, 1, 2)  # messages in their exchange order: ((time, after V, causal depth), rank, position)
 
 
 def _replay_points(schedule: Schedule) -> dict[int, int]:
@@ -138,238 +196,125 @@ def _replay_points(schedule: Schedule) -> dict[int, int]:
     return points
 
 
-def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
-    """Each rank's program: its compute passes with Send/Recv posts placed between them."""
-    if timeline is None:
-        costs = costs or Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
-        timeline = simulate(schedule, costs)
-    table = _link_table(schedule)
-    new = tuple.__new__  # a Message from fields that are right already (the link's kind is a Kind)
-    replay_index = _replay_points(schedule)
-    replay_time = {rank: timeline.ranks[rank][pos].end for rank, pos in replay_index.items()}
-    # Where each message is consumed, by (kind number, microbatch, source stage, destination stage): plain int
-    # tuples, quick to hash for hundreds of thousands of messages.
-    consume_index: dict[tuple, int] = {}
+def _consumer_index(schedule: Schedule, table: list[dict]) -> dict[tuple, int]:
+    """Where each message is consumed on its receiver, by (kind number, microbatch, source stage, destination stage):
+    plain int tuples, quick to hash for hundreds of thousands of messages."""
+    index: dict[tuple, int] = {}
     for rank, passes in enumerate(schedule.ranks):
         links = table[rank]
         for pos, p in enumerate(passes):
             link = links[p.chunk, p.op][1]
             if link is not None:
-                consume_index[link[5], p.mb, link[1], link[2]] = pos
-    # Per rank pair, every message with its place in the pair's order and its slots on both ends. The order
-    # is by production time, except that a message its receiver needs only after its replay point (V)
-    # counts from just after that V: the result V receives, needed before, then goes first. (In a V layout
-    # the result walks the way warm-up activations go, sent long before the receiver needs them; their
-    # sends then wait until after the sender's V: after a rollback they are never sent, so never drained.)
-    pairs: dict[tuple[int, int], list] = {}
+                index[link[5], p.mb, link[1], link[2]] = pos
+    return index
+
+
+def _depths(schedule: Schedule) -> list[list[int]]:
+    """Each pass's causal depth: the longest chain of passes it depends on (its rank's earlier passes, the passes it
+    needs on other stages). Among messages exchanged at one time, the deeper producer's goes later: with passes that
+    take no time (V) or no T_comm, a message can be due at the very time of one its producer waited for."""
+    nv, p = schedule.num_virtual_stages, schedule.stages
+    where = {}
+    for rank, passes in enumerate(schedule.ranks):
+        for pos, ps in enumerate(passes):
+            for key in provides(ps, schedule.virtual_stage(rank, ps.chunk)):
+                where[key] = (rank, pos)
+    after: dict[tuple[int, int], list[tuple[int, int]]] = {}  # pass -> the passes that wait for it
+    waiting = {}
+    for rank, passes in enumerate(schedule.ranks):
+        for pos, ps in enumerate(passes):
+            needs = [where[key] for key in requires(ps, schedule.virtual_stage(rank, ps.chunk), nv, p) if key in where]
+            needs += [(rank, pos - 1)] if pos else []
+            waiting[rank, pos] = len(needs)
+            for need in needs:
+                after.setdefault(need, []).append((rank, pos))
+    depth = [[0] * len(passes) for passes in schedule.ranks]
+    ready = [node for node, count in waiting.items() if count == 0]
+    while ready:
+        rank, pos = node = ready.pop()
+        for nxt in after.get(node, ()):
+            depth[nxt[0]][nxt[1]] = max(depth[nxt[0]][nxt[1]], depth[rank][pos] + 1)
+            waiting[nxt] -= 1
+            if waiting[nxt] == 0:
+                ready.append(nxt)
+    return depth
+
+
+def _exchanges(schedule: Schedule, timeline: Timeline, table: list[dict]) -> list[tuple]:
+    """Every message as ((exchange time, after V, causal depth), producing rank, producer's position, message,
+    consumer's position), in exchange order. A message is exchanged when its producer ends, except that one its
+    receiver consumes after its replay point (V) is exchanged after that V."""
+    new = tuple.__new__  # a Message from fields that are right already (the link's kind is a Kind)
+    consumers = _consumer_index(schedule, table)
+    replay = {rank: (timeline.ranks[rank][pos].end, pos) for rank, pos in _replay_points(schedule).items()}
+    depths = _depths(schedule)
+    out = []
     for rank, passes in enumerate(timeline.ranks):
         links = table[rank]
         for pos, t in enumerate(passes):
-            op = t.op
-            link = links[op.chunk, op.op][0]
-            if link is not None:
-                kind, src_stage, dst_stage, src, dst, number = link
-                mb = op.mb
-                consumed_at = consume_index[number, mb, src_stage, dst_stage]
-                order = (t.end, 0)
-                if replay_index and dst in replay_index and consumed_at > replay_index[dst]:
-                    order = max(order, (replay_time[dst], 1))
-                pair = (src, dst) if src < dst else (dst, src)
-                msg = new(Message, (kind, mb, src_stage, dst_stage, src, dst))
-                entry = (order, rank, pos, msg, consumed_at)
-                queue = pairs.get(pair)
-                if queue is None:
-                    pairs[pair] = [entry]
-                else:
-                    queue.append(entry)
-    # slots[rank][k]: comm posts placed just before compute k (k = len means after the last pass).
-    slots: list[dict[int, list[Action]]] = [{} for _ in range(schedule.stages)]
-    for pair, messages in sorted(pairs.items()):
-        messages.sort(key=_ORDER)
-        last_slot = {pair[0]: 0, pair[1]: 0}
-        for _, _, produced_at, msg, consumed_at in messages:
-            src, dst = msg[4], msg[5]
-            send_slot = last_slot[src]
-            if produced_at >= send_slot:
-                send_slot = produced_at + 1
-            recv_slot = last_slot[dst]
-            if replay_index:
-                replay = replay_index.get(dst)
-                if replay is not None and consumed_at > replay:
-                    # A receive posted before V could be matched by a replayed message after a rollback.
-                    recv_slot = max(recv_slot, replay + 1)
-            if recv_slot > consumed_at:
-                raise ScheduleError(
-                    f"rank {dst} cannot post the receive of {msg.describe()} before it needs it: "
-                    f"the in-order matching with rank {src} puts it too late"
-                )
-            posts = slots[src].get(send_slot)
-            if posts is None:
-                slots[src][send_slot] = [Send(msg)]
-            else:
-                posts.append(Send(msg))
-            posts = slots[dst].get(recv_slot)
-            if posts is None:
-                slots[dst][recv_slot] = [Recv(msg)]
-            else:
-                posts.append(Recv(msg))
-            last_slot[src], last_slot[dst] = send_slot, recv_slot
-    programs = []
-    for rank, passes in enumerate(schedule.ranks):
-        program: list[Action] = []
-        posts = slots[rank]
-        for k, p in enumerate(passes):
-            if k in posts:
-                program += posts[k]
-            program.append(p)
-        program += posts.get(len(passes), [])
-        programs.append(program)
-    return programs
+            link = links[t.op.chunk, t.op.op][0]
+            if link is None:
+                continue
+            kind, src_stage, dst_stage, src, dst, number = link
+            consumed_at = consumers[number, t.op.mb, src_stage, dst_stage]
+            when = (t.end, 0, depths[rank][pos])
+            if dst in replay and consumed_at > replay[dst][1]:
+                when = max(when, (replay[dst][0], 1, depths[rank][pos]))
+            out.append((when, rank, pos, new(Message, (kind, t.op.mb, src_stage, dst_stage, src, dst)), consumed_at))
+    out.sort(key=_ORDER)
+    return out
 
 
-def check_lowering(schedule: Schedule, programs: list[list[Action]], channel: ChannelModel | None = None) -> None:
-    """Replay the programs under a channel model (channels.py), or under every model of channels.MODELS when none
-    is given; raise ScheduleError naming the model and the first wait of any mismatch or deadlock.
-
-    Posting a Send or Recv never blocks. On each rank, the operations of one channel complete strictly in posting
-    order, each only together with the peer's matching operation at the head of the peer's queue on the same
-    channel (NCCL's in-order streams, rendezvous; gloo's rules are looser). A compute pass waits until the message
-    it consumes was received and, as the runtime does (its output is freed), a backward until the send of its
-    forward's output completed.
-    """
-    if channel is None:
-        proven = []  # how the models checked so far group the messages into channels
-        for name, model in MODELS.items():
-            partition = _partition(programs, model)
-            if partition in proven:
-                continue  # the same channels as a model already replayed: the same replay
-            try:
-                check_lowering(schedule, programs, model)
-            except ScheduleError as error:
-                raise ScheduleError(f"{error} (under {name})") from None
-            proven.append(partition)
-        return
-    replay = _Replay(schedule, programs, channel)
-    replay.run()
-    replay.conclude()
-
-
-def _partition(programs: list[list[Action]], channel: ChannelModel) -> set:
-    """Which links (a message without its microbatch: channel models do not look at it) share a channel."""
-    links: dict = {}
-    for program in programs:
-        for item in program:
-            if type(item) is Send:
-                msg = item.msg
-                links.setdefault((msg.kind, msg.src_stage, msg.dst_stage, msg.src, msg.dst), msg)
-    shared: dict = {}
-    for link, msg in links.items():
-        shared.setdefault(channel(msg), set()).add(link)
-    return {frozenset(group) for group in shared.values()}
+def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | None = None) -> list[list[Action]]:
+    """Each rank's program: a warm-up of its links, then its compute passes with batches of sends and receives
+    between them (see the module docstring)."""
+    if timeline is None:
+        costs = costs or Costs.make(schedule.num_virtual_stages, chunks=schedule.chunks)
+        timeline = simulate(schedule, costs)
+    table = link_table(schedule)
+    replay = _replay_points(schedule)
+    ends = [[t.end for t in passes] for passes in timeline.ranks]
+    slots: list[dict[int, list[Post]]] = [{} for _ in range(schedule.stages)]  # rank -> boundary -> posts in order
+    last = [0] * schedule.stages  # each rank's latest boundary so far: its posts follow the exchange order
+    for (when, after_replay, _), _, produced_at, msg, consumed_at in _exchanges(schedule, timeline, table):
+        src, dst = msg.src, msg.dst
+        # right after its producer, or where the sender is at its later exchange time (never past a pass of the
+        # same end, a V: what a receiver needs before its own V must go before the sender's V, see post_validation)
+        send_at = max(bisect.bisect_right(ends[src], when) if after_replay else 0, produced_at + 1, last[src])
+        earliest = max(last[dst], replay[dst] + 1 if after_replay else 0)
+        recv_at = max(earliest, min(bisect.bisect_right(ends[dst], when), consumed_at))
+        if recv_at > consumed_at:
+            raise ScheduleError(f"rank {dst} cannot post the receive of {msg.describe()} before it needs it: the "
+                                f"exchange order puts it after its receive of another message it needs later")
+        slots[src].setdefault(send_at, []).append(Send(msg))
+        slots[dst].setdefault(recv_at, []).append(Recv(msg))
+        last[src], last[dst] = send_at, recv_at
+    return [_program(schedule, rank, slots[rank]) for rank in range(schedule.stages)]
 
 
-class _Replay:
-    """One replay of `check_lowering`: where each rank stands, what each channel holds, what has arrived."""
-
-    def __init__(self, schedule: Schedule, programs: list[list[Action]], channel: ChannelModel):
-        self.schedule, self.programs, self.channel = schedule, programs, channel
-        self.table = _link_table(schedule)
-        self.pos = [0] * schedule.stages
-        self.queues: dict[tuple[int, object], deque] = {}  # (rank, channel) -> posted, not yet completed
-        self.matched: set[tuple] = set()  # (kind number, microbatch, stages) of what was delivered
-        self.produced: set[tuple] = set()
-
-    def run(self) -> None:
-        progressed = True
-        while progressed:
-            progressed = any([self._advance(rank) for rank in range(self.schedule.stages)])
-            progressed = self._match() or progressed
-
-    def _advance(self, rank: int) -> bool:
-        program, links, at = self.programs[rank], self.table[rank], self.pos[rank]
-        start = at
-        while at < len(program):
-            item = program[at]
-            kind = type(item)
-            if kind is Send or kind is Recv:
-                msg = item.msg
-                if kind is Send and _key(msg) not in self.produced:
-                    raise ScheduleError(f"rank {rank} posts the send of {msg.describe()} before computing it")
-                self.queues.setdefault((rank, self.channel(msg)), deque()).append(item)
-            else:
-                send, recv = links[item.chunk, item.op]
-                if recv is not None and (recv[5], item.mb, recv[1], recv[2]) not in self.matched:
-                    break
-                if self._output_send_pending(rank, item):
-                    break
-                if send is not None:
-                    self.produced.add((send[5], item.mb, send[1], send[2]))
-            at += 1
-        self.pos[rank] = at
-        return at > start
-
-    def _output_send_pending(self, rank: int, item: Pass) -> bool:
-        """A backward waits for the send of its forward's output (the runtime frees that output first)."""
-        if facts(item.op).frees_output_of is None:
-            return False
-        sent = produced(self.schedule, rank, Pass(facts(item.op).frees_output_of, item.mb, item.chunk))
-        return sent is not None and _key(sent) not in self.matched
-
-    def _match(self) -> bool:
-        progressed = False
-        for (rank, channel), queue in self.queues.items():
-            while queue:
-                mine = queue[0]
-                peer = mine.msg.dst if type(mine) is Send else mine.msg.src
-                other = self.queues.get((peer, channel))
-                if not other:
-                    break
-                theirs = other[0]
-                if type(mine) is type(theirs) or mine.msg != theirs.msg:
-                    break
-                queue.popleft()
-                other.popleft()
-                self.matched.add(_key(mine.msg))
-                progressed = True
-        return progressed
-
-    def conclude(self) -> None:
-        for rank in range(self.schedule.stages):
-            if self.pos[rank] < len(self.programs[rank]):
-                item = self.programs[rank][self.pos[rank]]
-                need = consumed(self.schedule, rank, item)
-                if need is None or _key(need) in self.matched:  # it waits for the send of its forward's output
-                    need = produced(self.schedule, rank, Pass(facts(item.op).frees_output_of, item.mb, item.chunk))
-                    raise ScheduleError(f"communication deadlock: rank {rank} waits at {item.describe()} for its "
-                                        f"send of {need.describe()} to complete" + self._head_note(rank, need))
-                raise ScheduleError(f"communication deadlock: rank {rank} waits at {item.describe()} for "
-                                    f"{need.describe()}" + self._head_note(need.dst, need))
-        for (rank, _), queue in self.queues.items():
-            if queue:
-                head = queue[0]
-                verb = "send" if isinstance(head, Send) else "receive"
-                peer = head.msg.dst if verb == "send" else head.msg.src
-                raise ScheduleError(f"rank {rank} posts a {verb} of {head.msg.describe()} that rank {peer} never "
-                                    f"matches")
-
-    def _head_note(self, rank: int, need: Message) -> str:
-        """What holds the channel of `need` up on `rank` and on its peer."""
-        peer = need.src if rank == need.dst else need.dst
-        channel = self.channel(need)
-        mine = self.queues.get((rank, channel), [])
-        theirs = self.queues.get((peer, channel), [])
-        if mine and theirs:
-            return (f", but rank {rank}'s next operation on its channel with rank {peer} is the "
-                    f"{_verb(mine[0])} of {mine[0].msg.describe()} while rank {peer}'s is the {_verb(theirs[0])} of "
-                    f"{theirs[0].msg.describe()}")
-        if not theirs:
-            return f", which rank {peer} has not posted"
-        return ""
+def _program(schedule: Schedule, rank: int, slots: dict[int, list[Post]]) -> list[Action]:
+    """A rank's warm-up, passes and batches. The posts before a pass that consumes one of them are cut after the
+    last it waits for: the rest go into a batch of their own, which the pass does not wait for."""
+    passes = schedule.ranks[rank]
+    peers = sorted({post.msg.dst if type(post) is Send else post.msg.src for group in slots.values() for post in group})
+    program: list[Action] = [Warmup(peers)] if peers else []
+    for k in range(len(passes) + 1):
+        group = slots.get(k)
+        if group:
+            needed = _waited_for(schedule, rank, passes[k]) if k < len(passes) else ()
+            cut = max((i for i, post in enumerate(group) if post in needed), default=len(group) - 1) + 1
+            program.append(Batch(group[:cut]))
+            if cut < len(group):
+                program.append(Batch(group[cut:]))
+        if k < len(passes):
+            program.append(passes[k])
+    return program
 
 
-def _verb(item: Action) -> str:
-    return "send" if isinstance(item, Send) else "receive"
-
-
-def _key(msg: Message) -> tuple:
-    return (_KIND_NUMBER[msg.kind], msg.mb, msg.src_stage, msg.dst_stage)
+def _waited_for(schedule: Schedule, rank: int, p: Pass) -> tuple[Post, ...]:
+    """The posts a pass waits for: the receive of what it consumes and, for a backward, the send of its forward's
+    output (the runtime frees that output first)."""
+    need = consumed(schedule, rank, p)
+    frees = facts(p.op).frees_output_of
+    sent = None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
+    return tuple(post for post in (None if need is None else Recv(need), None if sent is None else Send(sent)) if post)

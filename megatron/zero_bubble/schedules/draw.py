@@ -109,6 +109,8 @@ def comparison_table(rows: Sequence[tuple[str, Timeline, float]]) -> str:
         "",
         BUBBLE_LEGEND,
         f"makespan: end of the iteration's last pass ({time_unit}); planning: wall time to plan and validate",
+        "each schedule as its program runs on the model of NCCL and CUDA (schedules/nccl_model.py): batched messages,\n"
+        "  T_comm each, one in-order stream, one launch queue",
         memory_legend(memory_unit),
     ]
     return "\n".join(lines)

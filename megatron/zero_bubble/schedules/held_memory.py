@@ -3,11 +3,11 @@
 The planner plans on activations alone (memory.py: M_B added by F, M_W kept by B for W). Between two passes a
 rank also holds pipeline tensors (one microbatch's activation or gradient at a stage boundary, all of one
 shape), at points its lowered program (comm.py) fixes, as the runtime keeps them (runtime/iteration.py, p2p.py):
-- a receive holds its buffer from its post until the pass that consumes it (receives are posted early);
-- a sent tensor lives until its send completes: when a message from the same peer arrives whose receive was
-  posted after the send (the peer had posted its receive by then), before the backward of the F whose output
-  it is, or at the end of the call. With megatron's deallocate_pipeline_outputs off an F's output stays until
-  its backward anyway. (NCCL may complete a send earlier: then this is an upper bound.)
+- a receive holds its buffer from the post of its batch until the pass that consumes it;
+- a sent tensor lives until the runtime sees its batch complete: when a pass waits for that batch or a later one
+  (a stream completes its batches in order), which the backward of the F whose output it is does, or at the end
+  of the call. With megatron's deallocate_pipeline_outputs off an F's output stays until its backward anyway.
+  (NCCL may report a batch complete earlier: then this is an upper bound.)
 - an F's output handed to the next chunk on the same rank (a V's turn), or a gradient handed back, lives until
   the pass that takes it;
 - megatron's model chunk keeps the input of its latest F (set_input_tensor) until its next F, so once that F's
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 
-from .comm import Recv, Send, consumed, lower, produced
+from .comm import Batch, Send, consumed, lower, produced
 from .costs import Costs
 from .memory import memory_profile
 from .ops import Kind, Op, carries_microbatch, facts
@@ -66,17 +66,19 @@ def _held_on_rank(schedule: Schedule, rank: int, program: list, outputs_freed_wh
     read after the compute pass at position x when b <= x < d (a read follows its pass; posts come after it)."""
     at = _Positions(schedule, rank, program)
     lifetimes = []  # (born, gone)
+    sends = [(x, post.msg) for x, item in enumerate(program) if type(item) is Batch
+             for post in item.ops if type(post) is Send and carries_microbatch(post.msg.kind)]
+    for x, msg in sends:
+        producer = at.producer(msg)
+        gone = at.first_wait_from(x)
+        if msg.kind == Kind.ACT:  # completed before the backward of its F at the latest
+            backward = at.backward[(producer.mb, producer.chunk)]
+            gone = min(gone, backward) if outputs_freed_when_sent else backward
+        else:  # a gradient is its input's .grad: alive while megatron keeps that input
+            gone = max(gone, at.kept.get((producer.mb, producer.chunk), 0))
+        lifetimes.append((at.passes[producer], gone))
     for x, item in enumerate(program):
-        if isinstance(item, Send) and carries_microbatch(item.msg.kind):
-            producer = at.producer(item.msg)
-            gone = at.first_wait_after(item.msg.dst, x)
-            if item.msg.kind == Kind.ACT:  # completed before the backward of its F at the latest
-                backward = at.backward[(producer.mb, producer.chunk)]
-                gone = min(gone, backward) if outputs_freed_when_sent else backward
-            else:  # a gradient is its input's .grad: alive while megatron keeps that input
-                gone = max(gone, at.kept.get((producer.mb, producer.chunk), 0))
-            lifetimes.append((at.passes[producer], gone))
-        elif isinstance(item, Pass):
+        if isinstance(item, Pass):
             need = consumed(schedule, rank, item)
             if need is not None and carries_microbatch(need.kind):  # a receive, from its post to its pass
                 lifetimes.append((at.receive[need], x))
@@ -107,7 +109,10 @@ class _Positions:
     def __init__(self, schedule: Schedule, rank: int, program: list):
         self.schedule, self.rank = schedule, rank
         self.passes = {item: x for x, item in enumerate(program) if isinstance(item, Pass)}
-        self.receive = {item.msg: x for x, item in enumerate(program) if isinstance(item, Recv)}
+        self.receive = {post.msg: x for x, item in enumerate(program) if type(item) is Batch
+                        for post in item.ops if type(post) is not Send}
+        self.sent = {post.msg: x for x, item in enumerate(program) if type(item) is Batch
+                     for post in item.ops if type(post) is Send}
         self.backward = {(p.mb, p.chunk): x for p, x in self.passes.items() if p.op in (Op.B, Op.BW)}
         forwards: dict[int, list[tuple[int, int]]] = {}
         for p, x in self.passes.items():
@@ -122,31 +127,30 @@ class _Positions:
                 fs.sort()
                 for (_, mb), after in zip(fs, [x for x, _ in fs[1:]] + [len(program)]):
                     self.kept[(mb, chunk)] = after
-        # per peer: when each receive from it was posted (ascending), and the earliest wait among those posted then
-        # or later
+        # every wait of a pass for a batch, as (the batch's position, the pass's position), by batch position, and for
+        # each the earliest pass that waits for that batch or a later one
         self._end = len(program)
-        self._posted: dict[int, list[int]] = {}
-        self._earliest_wait: dict[int, list[int]] = {}
-        waits: dict[int, list[tuple[int, int]]] = {}
+        waits = []
         for p, x in self.passes.items():
             need = consumed(schedule, rank, p)
             if need is not None:
-                waits.setdefault(need.src, []).append((self.receive[need], x))
-        for peer, pairs in waits.items():
-            pairs.sort()
-            self._posted[peer] = [posted for posted, _ in pairs]
-            earliest, suffix = self._end, []
-            for _, wait in reversed(pairs):
-                earliest = min(earliest, wait)
-                suffix.append(earliest)
-            self._earliest_wait[peer] = suffix[::-1]
+                waits.append((self.receive[need], x))
+            frees = facts(p.op).frees_output_of
+            sent = None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
+            if sent is not None:
+                waits.append((self.sent[sent], x))
+        waits.sort()
+        self._waited = [batch for batch, _ in waits]
+        earliest, suffix = self._end, []
+        for _, x in reversed(waits):
+            earliest = min(earliest, x)
+            suffix.append(earliest)
+        self._earliest_wait = suffix[::-1]
 
-    def first_wait_after(self, peer: int, posted_after: int) -> int:
-        """Where the runtime first waits for a message from `peer` whose receive was posted after `posted_after`
-        (the end of the program if never)."""
-        posted = self._posted.get(peer, [])
-        k = bisect.bisect_right(posted, posted_after)
-        return self._earliest_wait[peer][k] if k < len(posted) else self._end
+    def first_wait_from(self, batch: int) -> int:
+        """Where the runtime first waits for the batch at position `batch` or a later one (the end if never)."""
+        k = bisect.bisect_left(self._waited, batch)
+        return self._earliest_wait[k] if k < len(self._waited) else self._end
 
     def chunk_of(self, vstage: int) -> int:
         return next(c for c in range(self.schedule.chunks) if self.schedule.virtual_stage(self.rank, c) == vstage)

@@ -19,7 +19,8 @@ import time
 from typing import Callable
 
 from .auto_problem import SPLIT, Plan, Problem, Step, span_lower_bound, to_schedule
-from .comm import check_lowering, lower
+from .comm import lower
+from .nccl_model import check_lowering
 from .ops import Op
 from .schedule import ScheduleError
 from .simulate import simulate

@@ -66,6 +66,7 @@ class OpFacts:
     # the pass runs only once the send of this op's output (same microbatch and chunk) completed: the runtime frees
     # that output, so a backward waits for its forward's send
     frees_output_of: "Op | None" = None
+    syncs_host: bool = False  # the host reads its result before posting anything after it (nccl_model.py)
 
     @property
     def takes_time(self) -> bool:
@@ -119,6 +120,7 @@ TABLE: dict[Op, OpFacts] = {
     Op.V: OpFacts(
         "post-validation", "V", needs=(Needs(Op.V, +1),), completes=(Op.V,), time=(), memory=(),
         sends=(Kind.VALID, -1), per_microbatch=False, precedes=(Op.B, Op.BW), replay_point=True,
+        syncs_host=True,  # whether to replay is decided on the host
     ),
     # After its last pass each rank adds its gradient statistics (squared norm, inf/NaN) to the partial
     # sums and passes them on towards the rank of the last virtual stage, which then holds the full sums.

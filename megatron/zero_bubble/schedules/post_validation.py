@@ -15,14 +15,15 @@ order in which those ranks run their first backward.
 After a rollback every pass a rank ran before its V used speculative weights. Each rank then runs its
 `RollbackProgram`: `after_validation` (pass the result on, drain the stale messages the other ranks sent
 before their V), then `restart` (its whole program again, same message identities). `check_rollback`
-proves this path cannot deadlock under the in-order matching of comm.check_lowering.
+proves this path runs to its end on the model of NCCL and CUDA (nccl_model.py).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
 
-from .comm import Action, Message, Recv, Send, check_lowering
+from .comm import Action, Batch, Message, Recv, Send, Warmup, posts
+from .nccl_model import check_lowering
 from .ops import Op, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError
 
@@ -80,32 +81,41 @@ def pre_validation_messages(programs: list[list[Action]]) -> set[Message]:
     stale = set()
     for rank, program in enumerate(programs):
         v = _validation_position(program, rank)
-        stale |= {item.msg for item in program[:v] if isinstance(item, Send)}
+        stale |= {post.msg for post in posts(program[:v]) if type(post) is Send}
     return stale
 
 
 def _is_validation(item: Action) -> bool:
-    """V itself, or a Send/Recv of the validation result: neither is replayed after a rollback (S is: it
-    comes after V)."""
-    if isinstance(item, Pass):
-        return item.op == Op.V
-    return item.msg.kind == RESULT
+    """V itself: not replayed after a rollback (S is: it comes after V)."""
+    return isinstance(item, Pass) and item.op == Op.V
+
+
+def _filtered(item: Action, keep) -> Action | None:
+    """A batch with only the posts `keep` accepts (None when none is left); any other item as it is."""
+    if type(item) is not Batch:
+        return item
+    ops = [post for post in item.ops if keep(post)]
+    return Batch(ops, item.group) if ops else None
 
 
 def rollback_programs(schedule: Schedule, programs: list[list[Action]]) -> list[RollbackProgram]:
-    """Per rank, the drain after V and the program to restart from, given comm.lower's programs."""
+    """Per rank, the drain after V and the program to restart from, given comm.lower's programs. The drain keeps the
+    batches after V with their sends of the result and their receives of stale messages; the restart is the program
+    without V, the result's messages and the warm-up (the links are up by then)."""
     if len(programs) != schedule.stages:
         raise ScheduleError(f"got {len(programs)} rank programs for a schedule of {schedule.stages} stages")
     stale = pre_validation_messages(programs)
+
+    def drained(post) -> bool:
+        return (type(post) is Send and post.msg.kind == RESULT) or (type(post) is Recv and post.msg in stale)
+
     out = []
     for rank, program in enumerate(programs):
         v = _validation_position(program, rank)
-        after = [
-            item
-            for item in program[v + 1 :]
-            if (isinstance(item, Send) and item.msg.kind == RESULT) or (isinstance(item, Recv) and item.msg in stale)
-        ]
-        restart = [item for item in program if not _is_validation(item)]
+        after = [kept for item in program[v + 1:] if type(item) is Batch
+                 for kept in [_filtered(item, drained)] if kept is not None]
+        restart = [kept for item in program if not _is_validation(item) and type(item) is not Warmup
+                   for kept in [_filtered(item, lambda post: post.msg.kind != RESULT)] if kept is not None]
         out.append(RollbackProgram(after, restart))
     return out
 
@@ -114,7 +124,7 @@ def _renumbered(item: Action, offset: int) -> Action:
     """The same action for microbatch mb + offset: a replay is told apart from the stale original."""
     if isinstance(item, Pass):
         return item._replace(mb=item.mb + offset)
-    return type(item)(item.msg._replace(mb=item.msg.mb + offset))
+    return Batch([type(post)(post.msg._replace(mb=post.msg.mb + offset)) for post in item.ops], item.group)
 
 
 def check_rollback(schedule: Schedule, programs: list[list[Action]]) -> None:
@@ -122,7 +132,7 @@ def check_rollback(schedule: Schedule, programs: list[list[Action]]) -> None:
 
     Rank r runs its program up to and including V, then `after_validation`, then `restart` with every
     microbatch renumbered mb + m. The drained stale receives are matched by the Sends the other ranks
-    posted before their V and are never consumed by a pass, which check_lowering allows.
+    posted before their V and are never consumed by a pass, which the model allows.
     """
     m = schedule.microbatches
     rollbacks = rollback_programs(schedule, programs)

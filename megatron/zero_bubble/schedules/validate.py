@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from .comm import check_lowering, lower
+from .comm import lower
+from .nccl_model import check_lowering
 from .costs import Costs
 from .memory import memory_profile
 from .ops import MICROBATCH_WORK, OPS, Op, facts, per_rank_chunk, per_rank_ops

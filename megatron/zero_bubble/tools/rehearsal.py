@@ -39,13 +39,14 @@ from ..runtime.iteration import Iteration, LoweredRun
 from ..runtime.links import PipelineLinks
 from ..runtime.pass_timer import ClockPassTimer
 from ..runtime.p2p import PipelineTransport, TorchP2P
-from ..runtime.strict_p2p import StrictP2P
 from ..runtime.wgrad_store import WeightGradStore
+from ..schedules.comm import Recv
 from ..schedules.costs import Costs
 from ..schedules.ops import Op, facts
 from ..schedules.schedule import Pass, Schedule
 from ..schedules.simulate import duration, simulate
 from .local_ranks import init_group, run_ranks
+from .strict_p2p import StrictP2P
 
 DEFAULT_MESSAGE_KIB = 64
 
@@ -57,7 +58,7 @@ class RehearsalOptions:
     recv_delay_ms: float = 0.0  # a deliberately slow transport: sleep before posting each receive (tests)
     delayed_rank: int | None = None  # the rank whose transport is slowed (None: every rank)
     timeout_s: float = 300.0
-    # messages as NCCL runs them (runtime/strict_p2p.py: in order per group, rendezvous); False: gloo's own operations
+    # messages as NCCL runs them (tools/strict_p2p.py: the rules of schedules/nccl_model.py); False: gloo's own operations
     strict_p2p: bool = True
     # Several iterations and the optimizer step between them, in the schedule's time unit. Without V passes
     # the step is megatron's synchronous one: a real all-reduce over all ranks (everyone waits for the
@@ -154,9 +155,10 @@ class _DelayedTransport(PipelineTransport):
         super().__init__(*args, **kwargs)
         self.delay_s = delay_s
 
-    def post_recv(self, msg) -> None:
-        time.sleep(self.delay_s)
-        super().post_recv(msg)
+    def post_batch(self, batch, outgoing, tokens=None) -> None:
+        if any(type(post) is Recv for post in batch.ops):
+            time.sleep(self.delay_s)
+        super().post_batch(batch, outgoing, tokens)
 
 
 class RehearsalPasses:
@@ -222,8 +224,8 @@ class RehearsalPasses:
     def pass_timer(self, clock):
         return ClockPassTimer(clock)
 
-    def token_count(self) -> int:
-        return 0
+    def token_count(self) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.int64)
 
 
 class _Record:
@@ -257,7 +259,7 @@ class _ModelledValidation:
     size: int = 2
     has_pending: bool = False
 
-    def statistics(self, partial, final: bool, tokens: int = 0) -> torch.Tensor:
+    def statistics(self, partial, final: bool, tokens=None) -> torch.Tensor:
         return torch.zeros(self.size) if partial is None else partial
 
     def receive_result(self, result) -> tuple[torch.Tensor, bool]:
@@ -299,8 +301,8 @@ def _rank_main(rank: int, world: int, result_dir: str, schedule_json: str, costs
         delayed = options.recv_delay_ms > 0 and options.delayed_rank in (None, rank)
         transport_type = _DelayedTransport if delayed else PipelineTransport
         extra = {"delay_s": options.recv_delay_ms / 1e3} if delayed else {}
-        # the pair groups training posts on, each an in-order stream with rendezvous, as NCCL runs it
-        links = PipelineLinks.make(group)
+        # the pipeline group, its batches run as NCCL runs them (in order, rendezvous, one kernel each)
+        links = PipelineLinks(group)
         ops = StrictP2P(options.timeout_s) if options.strict_p2p else TorchP2P()
         transport = transport_type(links, (numel,), torch.float32, torch.device("cpu"),
                                    validation_numel=validation.size, ops=ops, **extra)
@@ -336,7 +338,6 @@ def _rank_main(rank: int, world: int, result_dir: str, schedule_json: str, costs
         torch.save(record.entries, os.path.join(result_dir, f"rank{rank}.pt"))
         if options.strict_p2p:
             ops.close()
-        links.close()
         dist.barrier()
     finally:
         dist.destroy_process_group()

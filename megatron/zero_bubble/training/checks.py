@@ -29,7 +29,7 @@ RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedul
                       "zero_bubble_adaptive_memory_limit_percentile",
                       "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule",
-                      "zero_bubble_watchdog_timeout", "zero_bubble_inject_fault")
+                      "zero_bubble_watchdog_timeout", "zero_bubble_watchdog_abort", "zero_bubble_inject_fault")
 
 
 @dataclass(frozen=True)
@@ -314,6 +314,25 @@ _NOT_WITH_THE_RUNTIME = {
 }
 
 
+# How megatron's own schedules post pipeline messages: the runtime posts batches of its own on megatron's pipeline group
+# (docs/communication.md), so these would change nothing; refused rather than ignored.
+_P2P_FLAGS_NOT_HONOURED = {
+    "--no-overlap-p2p-communication": "it chooses how megatron's interleaved schedule posts its messages",
+    "--overlap-p2p-communication-warmup-flush": "it tunes megatron's interleaved schedule's message overlap",
+    "--use-ring-exchange-p2p": "it replaces megatron's batched sends and receives with a ring exchange",
+}
+
+
+def _check_p2p_flags(args, argv: list[str], flag: str) -> None:
+    for option, why in _P2P_FLAGS_NOT_HONOURED.items():
+        if given(argv, option):
+            raise StartupRefusal(f"{option} does not apply with the zero-bubble runtime ({flag}), which posts its "
+                                 f"messages in batches of its own on the pipeline group: {why}; drop {option}")
+    if getattr(args, "pipeline_model_parallel_comm_backend", None) == "ucc":
+        raise StartupRefusal(f"--pipeline-model-parallel-comm-backend ucc does not work with the zero-bubble runtime "
+                             f"({flag}): its pipeline messages are proven on NCCL's rules, not UCC's; use nccl")
+
+
 def _check_runtime(args, flag: str) -> None:
     for name in ("sft", "rl_use_sequence_packing", "hybrid_context_parallel"):
         if getattr(args, name, False):
@@ -356,6 +375,8 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
     if schedule is None:
         return None
     options = check_zero_bubble(args, schedule, flag)
+    if options.through_runtime:
+        _check_p2p_flags(args, argv, flag)
     if args.enable_optimizer_post_validation:
         check_post_validation(args, options, flag, argv)
         options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)

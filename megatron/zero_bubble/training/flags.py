@@ -103,9 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 _WATCHDOG_HELP = ("A rank whose oldest pipeline message has been in flight this long prints where the pipeline "
-                  "stands (the message, its peer, the pass that needs it, the head of each link) and ends the job; "
-                  f"the other ranks print their own line too. Default {DEFAULT_WATCHDOG_TIMEOUT_S:g}, well under "
-                  "NCCL's own timeout; 0: off.")
+                  "stands (the message, its peer, the pass that needs it, the head of each link); ending a hung job "
+                  "is left to NCCL's timeout (--distributed-timeout-minutes), which writes the flight recorder "
+                  f"(--flight-recorder-dump-path). Default {DEFAULT_WATCHDOG_TIMEOUT_S:g}, well under NCCL's; 0: off.")
+_WATCHDOG_ABORT_HELP = ("With the pipeline watchdog's line, end the job at once: write the flight recorder "
+                        "(--flight-recorder-dump-path), abort the NCCL process groups and exit with status 3.")
 _FAULT_HELP = (f"Inject a fault on a global rank, to see the run stop cleanly: {', '.join(FAULT_KINDS)} (the split "
                "check sees a difference on that rank only; that rank never posts its last activation or gradient "
                "send of an iteration; that rank sleeps SECONDS, default 0.2, before each pass). May be given more "
@@ -189,6 +191,7 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        "invert the update in place, exact to a few ulps, no extra memory).")
     group.add_argument("--zero-bubble-watchdog-timeout", type=_seconds, default=None, metavar="SECONDS",
                        help=_WATCHDOG_HELP)
+    group.add_argument("--zero-bubble-watchdog-abort", action="store_true", default=None, help=_WATCHDOG_ABORT_HELP)
     group.add_argument("--zero-bubble-inject-fault", type=_fault, action="append", default=None,
                        metavar="KIND:RANK[:SECONDS]", help=_FAULT_HELP)
     group.add_argument(ON_CPU, action="store_true",

@@ -28,7 +28,7 @@ class ZeroBubbleSession:
     log: Callable[[str], None] = print  # one line on rank 0 (re-planning)
     te_layer_types: tuple | None = None  # Transformer Engine classes to split (None: TE's own; tests: a stand-in's)
     split_check: bool = False  # fused against split on the real layers before the first training call (split_check.py)
-    messaging: object = None  # runtime.messaging.MessagingOptions: strict p2p (tests), watchdog timeout, faults
+    messaging: object = None  # runtime.messaging.MessagingOptions: how batches are posted, the watchdog, faults
     pipeline: object = field(default=None, init=False)  # what get_forward_backward_func hands out; None: megatron's
     megatron: object = field(default=None, init=False)  # the adapter, once installed
     _installed: list = field(default_factory=list, init=False, repr=False)

@@ -75,11 +75,12 @@ def plan_settings(args, options: ZeroBubbleOptions):
 
 
 def messaging_options(args):
-    """The watchdog's timeout and the injected faults, as the runtime takes them."""
+    """The watchdog's timeout and whether it ends the job, and the injected faults, as the runtime takes them."""
     from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S, MessagingOptions
 
     timeout = args.zero_bubble_watchdog_timeout
     return MessagingOptions(watchdog_timeout_s=DEFAULT_WATCHDOG_TIMEOUT_S if timeout is None else timeout,
+                            watchdog_abort=bool(args.zero_bubble_watchdog_abort),
                             faults=tuple(args.zero_bubble_inject_fault or ()))
 
 
