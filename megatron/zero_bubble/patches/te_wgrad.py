@@ -2,7 +2,7 @@
 
 TE's documented contract: a module built with `delay_wgrad_compute=True` computes only the input gradient in
 backward and the caller runs `module.backward_dw()` later for the weight gradient. How TE's sources implement it
-(`Linear`, `LayerNormLinear`, `LayerNormMLP`, `GroupedLinear`; 2.3 to 2.19, see `version_refusal`): each
+(`Linear`, `LayerNormLinear`, `LayerNormMLP`, `GroupedLinear`; 2.3 to 2.20, see `version_refusal`): each
 module keeps a FIFO, `module.wgrad_store` (TE's `WeightGradStore`); when its `delay_wgrad_compute()` answers
 True in backward, the module `put`s what the weight-gradient GEMM needs (the operands and the GEMM as a
 function) and returns to autograd no weight gradient, TE's placeholder (`fuse_wgrad_accumulation` with megatron
@@ -10,8 +10,9 @@ DDP: `grad_added_to_main_grad` set), or (`GroupedLinear` without fusion) the buf
 written. `backward_dw()` pops one entry (`LayerNormMLP` two: fc2 then fc1), runs the GEMM (into `main_grad`
 when fused, with the accumulate flag B decided), assigns `weight.grad` (not fused; 2.8+ always, before only
 where None) and `bias.grad` where it is still None (a bias gradient B formed, e.g. with FP8, stays; with none
-there and none from the GEMM TE fails, TE issue #3400), then runs the hooks given to
-`register_wgrad_accumulation_and_reduce_hooks` (2.7+). Popping an empty queue raises "Pop empty queue";
+there and none from the GEMM, `LayerNormMLP` fails in every release and the others before 2.20, TE issue #3400),
+then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks` (2.7+). Popping an empty queue raises
+"Pop empty queue";
 `GroupedLinear.backward_dw` returns early on `wgrad_store.context.empty()`. `Linear` (2.16+) hands the queue to
 its backward only if `delay_wgrad_compute()` answered True in the forward; the others read it in backward.
 
@@ -38,15 +39,17 @@ must become W work of the microbatch as it is queued; the class's unbound `backw
 megatron's wrappers do nothing in theirs unless `--delay-wgrad-compute`; `.grad` is moved around B for the
 bias rule above.
 
-Versions (`version_refusal`): 2.3 to 2.19, whose sources were read (the deferral code of 2.19 and of the 2.20
-development tree line by line; the releases before through how that code changed from one to the next: every
-`backward_dw` and the code around each use of `wgrad_store`); the 2.20 release was not available to read.
-Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad` only where it is
-None; the split clears `.grad` before it runs, but keeps the floor it was written with.
+Versions (`version_refusal`): 2.3 to 2.20, whose sources were read: the deferral code of the 2.19 and 2.20
+releases line by line, the releases before through how that code changed from one to the next (every
+`backward_dw` and the code around each use of `wgrad_store`). 2.20 changed one thing there: the base class's
+`backward_dw` (`Linear`, `LayerNormLinear`) skips a bias gradient the GEMM did not give (TE #3400's guard);
+`LayerNormMLP`'s does not, so the hand-back of a bias gradient formed in B stays. A later release is refused until
+its deferral is read. Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad`
+only where it is None; the split clears `.grad` before it runs, but keeps the floor it was written with.
 Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split
 (their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
-modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 finalizes, i.e.
-reduce-scatters, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules
+modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 and 2.20 finalize,
+i.e. reduce-scatter, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules
 whose parameters megatron runs through TE's operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and
 `TEGroupedMLP` under `--use-transformer-engine-op-fuser`), whose own forward never runs.
 """
@@ -64,7 +67,7 @@ from ._patching import PatchError, PatchSet
 
 MIN_VERSION = "2.3"  # delay_wgrad_compute, backward_dw
 MIN_VERSION_UNFUSED = "2.8"  # without main_grad fusion: backward_dw overwrites weight.grad
-MAX_VERSION = "2.19"  # the newest release whose sources were read (the 2.20 release was not available to read)
+MAX_VERSION = "2.20"  # the newest release whose sources were read
 VERSIONS_READ = f"transformer-engine {MIN_VERSION} to {MAX_VERSION}"
 SPLIT_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")  # in transformer_engine.pytorch
 KEEP_IN_B = ("TELMHeadColumnParallelLinear",)  # megatron pins its deferral off (its backward_dw does nothing)
@@ -299,7 +302,7 @@ def splittable_layers(module: torch.nn.Module, kinds: tuple) -> list:
             continue
         held = [(n, p) for n, p in layer.named_parameters(recurse=False)
                 if p.requires_grad and not n.startswith("layer_norm")]
-        # TE's DistributedWeight protocol (2.19; megatron's --tensor-parallel-num-weight-shards): TE finalizes
+        # TE's DistributedWeight protocol (2.19+; megatron's --tensor-parallel-num-weight-shards): TE finalizes
         # (reduce-scatters) such a weight's gradient only when it computes it in backward, never in backward_dw
         if held and not any(getattr(p, "is_distributed_weight", False) for _, p in held):
             found.append((name, layer, kind, held))
