@@ -297,3 +297,36 @@ def test_te_versions_that_cannot_defer_are_refused_naming_the_version_needed(ver
     if needed is not None:
         assert needed in reason
 
+
+
+def test_a_module_the_split_refuses_stops_a_training_run_in_one_line(monkeypatch, capsys):
+    """Met when the runtime first takes the chunks over, inside megatron's training loop: the session turns it into
+    the one-line refusal (exit status 2, no traceback), as it does a failed split check."""
+    from megatron.zero_bubble.training import setup
+
+    class Session:  # stands for ZeroBubbleSession: nothing installed
+        def __init__(self, **options):
+            self.pipeline = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(setup, "ZeroBubbleSession", Session)
+    monkeypatch.setattr(setup, "plan_settings", lambda args, options: types.SimpleNamespace(chunks=1))
+    monkeypatch.setattr(setup, "messaging_options", lambda args: None)
+    monkeypatch.setenv("RANK", "0")
+    args = types.SimpleNamespace(transformer_impl="local", pipeline_model_parallel_size=4, overlap_grad_reduce=False)
+    options = types.SimpleNamespace(through_runtime=True, schedule="zb-h1", split_check=True, post_validation=False)
+    block = Block()
+    WeightGradStore("chunk 0").attach(block, ADAPTER)
+    with pytest.raises(SystemExit) as stopped:
+        with setup.zero_bubble_session(args, options):
+            WeightGradStore("chunk 1").attach(block, ADAPTER)  # what the executor does at the first training call
+    assert stopped.value.code == 2
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "Traceback" not in printed.err + printed.out
+    assert printed.err.endswith(": error: proj is already split into WeightGradStore 'chunk 0'; a layer can belong to "
+                                "one model chunk only\n")

@@ -123,7 +123,8 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         yield None
         return
     settings = plan_settings(args, options)
-    from ..patches import te_wgrad  # here, not at the top: the entry script imports this module before its early checks
+    # here, not at the top: the entry script imports this module before its early checks
+    from ..patches import PatchError, te_wgrad
     from ..runtime.split_check import SplitCheckFailed
 
     split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
@@ -142,3 +143,5 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
             yield session.pipeline
         except SplitCheckFailed as failed:  # every rank reached the same verdict: one line, exit status 2
             arguments.refuse(str(failed))
+        except PatchError as refused:  # a layer the split cannot take over (te_wgrad's per-module refusals): one line
+            arguments.refuse(str(refused))
