@@ -22,6 +22,7 @@ the releases differ, the newest by default):
   fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it unless it finds
   `bias.grad` set (TE issue #3400), as LayerNormMLP's does in every release and Linear's before 2.20; 2.20's
   Linear skips a bias gradient the GEMM did not give;
+- the Userbuffers options each TE module has (`USERBUFFERS`, all False here, as TE sets them without Userbuffers);
 - `GroupedLinear` (StandInGroupedLinear): without fusion B returns to autograd the buffer W will write into, not
   yet written (here NaN); `backward_dw` returns at once on an empty queue (`context.empty()`); TE 2.19's and 2.20's
   grouped-tensor path (`grouped_tensor=True`) queues its operands as plain objects holding tensors (TE's
@@ -86,6 +87,7 @@ class StandInTEModule(torch.nn.Module):
 
     weight_names: tuple = ()
     bias_names: tuple = ()
+    USERBUFFERS: tuple = ()  # the module's Userbuffers options (TE's attribute names)
 
     def __init__(self, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
                  release: tuple = NEWEST_RELEASE):
@@ -94,6 +96,8 @@ class StandInTEModule(torch.nn.Module):
         self.release = tuple(release)
         self.wgrad_store = StandInWeightGradStore(delay_wgrad_compute)
         self.wgrad_accumulation_and_reduce_hooks = []
+        for option in self.USERBUFFERS:
+            setattr(self, option, False)
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
@@ -181,6 +185,8 @@ class StandInLinear(StandInTEModule):
     """te.pytorch.Linear: y = x W^T + b."""
 
     weight_names, bias_names = ("weight",), ("bias",)
+    USERBUFFERS = ("ub_overlap_ag_fprop", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+                   "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bias_grad_in_b: bool = False,
                  **options):
@@ -235,6 +241,7 @@ class StandInLayerNormMLP(StandInTEModule):
     """te.pytorch.LayerNormMLP: fc2(gelu(fc1(layer_norm(x)))); the norm's gradients come in B."""
 
     weight_names, bias_names = ("fc2_weight", "fc1_weight"), ("fc2_bias", "fc1_bias")  # the order backward_dw pops
+    USERBUFFERS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_wgrad", "ub_bulk_dgrad")
 
     def __init__(self, hidden: int, ffn: int, bias_grad_in_b: bool = False, **options):
         super().__init__(**options)
@@ -321,6 +328,8 @@ class _GroupedFunction(torch.autograd.Function):
 class StandInGroupedLinear(StandInTEModule):
     """te.pytorch.GroupedLinear (per-GEMM weight{i} / bias{i}); forward(x, m_splits, is_first_microbatch): with
     main_grad fusion the first microbatch's W overwrites main_grad, as TE's does."""
+
+    USERBUFFERS = ("ub_overlap_rs", "ub_overlap_ag")  # TE refuses either at construction
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, grouped_tensor: bool = False,
                  **options):

@@ -299,6 +299,44 @@ def test_te_versions_that_cannot_defer_are_refused_naming_the_version_needed(ver
 
 
 
+
+# -- refused per module -------------------------------------------------------------------------------------
+USERBUFFERS_CASES = [(kind, option) for kind in te_standin.KINDS for option in kind.USERBUFFERS]
+
+
+def _standin(kind):
+    if kind is te_standin.StandInGroupedLinear:
+        return kind(2, HIDDEN, HIDDEN)
+    return kind(HIDDEN, FFN) if kind is te_standin.StandInLayerNormMLP else kind(HIDDEN, HIDDEN)
+
+
+@pytest.mark.parametrize("kind, option", USERBUFFERS_CASES,
+                         ids=[f"{kind.__name__}-{option}" for kind, option in USERBUFFERS_CASES])
+def test_a_te_module_with_a_userbuffers_option_is_refused_in_one_line_naming_it(kind, option):
+    block = torch.nn.Module()
+    block.first = te_standin.StandInLinear(HIDDEN, HIDDEN)
+    block.overlapped = _standin(kind)
+    setattr(block.overlapped, option, True)
+    originals = {name: m.wgrad_store for name, m in block.named_children()}
+    with pytest.raises(PatchError) as refused:
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"overlapped: Transformer Engine's Userbuffers option {option} does not work with a "
+                              f"schedule that splits the backward (")
+    assert message.endswith("build overlapped without Userbuffers options (megatron: drop --tp-comm-overlap), or use "
+                            "a schedule that does not split it (--pipeline-schedule 1f1b)")
+    if option in te_wgrad.USERBUFFERS_IN_W:
+        assert te_wgrad.USERBUFFERS_IN_W[option] in message
+    assert all(getattr(block, name).wgrad_store is queue for name, queue in originals.items())
+
+
+def test_userbuffers_options_that_are_off_are_no_refusal():
+    block = Block()
+    assert all(getattr(layer, option) is False for layer in (block.proj, block.mlp) for option in layer.USERBUFFERS)
+    assert WeightGradStore("chunk 0").attach(block, ADAPTER) == 6
+
+
 def test_a_module_the_split_refuses_stops_a_training_run_in_one_line(monkeypatch, capsys):
     """Met when the runtime first takes the chunks over, inside megatron's training loop: the session turns it into
     the one-line refusal (exit status 2, no traceback), as it does a failed split check."""

@@ -46,12 +46,12 @@ releases line by line, the releases before through how that code changed from on
 `LayerNormMLP`'s does not, so the hand-back of a bias gradient formed in B stays. A later release is refused until
 its deferral is read. Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad`
 only where it is None; the split clears `.grad` before it runs, but keeps the floor it was written with.
-Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split
-(their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
-modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 and 2.20 finalize,
-i.e. reduce-scatter, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules
-whose parameters megatron runs through TE's operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and
-`TEGroupedMLP` under `--use-transformer-engine-op-fuser`), whose own forward never runs.
+Refused (PatchError, one line naming the module): a TE module with a Userbuffers option (see `USERBUFFERS_IN_W`). Not
+split (their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
+modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 and 2.20 finalize, i.e.
+reduce-scatter, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules whose
+parameters megatron runs through TE's operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and `TEGroupedMLP`
+under `--use-transformer-engine-op-fuser`), whose own forward never runs.
 """
 from __future__ import annotations
 
@@ -71,6 +71,16 @@ MAX_VERSION = "2.20"  # the newest release whose sources were read
 VERSIONS_READ = f"transformer-engine {MIN_VERSION} to {MAX_VERSION}"
 SPLIT_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")  # in transformer_engine.pytorch
 KEEP_IN_B = ("TELMHeadColumnParallelLinear",)  # megatron pins its deferral off (its backward_dw does nothing)
+# TE's Userbuffers options (attributes of its modules, 2.3 to 2.20) under which a deferred W would read or write a
+# Userbuffers buffer that later passes reuse. A split module with any Userbuffers option set is refused: the others
+# (forward only, or the dgrad reduce-scatter) leave W's operands alone in TE's sources, but megatron sets them together
+# with these and the split has never run with Userbuffers.
+USERBUFFERS_IN_W = {
+    "ub_overlap_ag_dgrad": "W would read grad_output from the Userbuffers buffer it was gathered into",
+    "ub_overlap_ag": "W would read fc2's grad_output from the Userbuffers buffer it was gathered into",  # LayerNormMLP
+    "ub_bulk_dgrad": "W would read its input from the Userbuffers buffer it was gathered into",
+    "ub_bulk_wgrad": "W's GEMM would write into a Userbuffers buffer",
+}
 _DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13",
                   "transformer-engine-cu12")
 
@@ -338,10 +348,23 @@ def _check_switchable(layer, name: str, store) -> None:
     if isinstance(current, ModuleWgradQueue):
         raise PatchError(f"{name} is already split into WeightGradStore {current.store.name!r}; a layer can belong "
                          f"to one model chunk only")
-    if any(getattr(layer, flag, False) for flag in ("ub_bulk_wgrad", "ub_overlap_rs_dgrad", "ub_overlap_ag",
-                                                     "ub_overlap_rs", "ub_bulk_dgrad")):
-        raise PatchError(f"{name}: Transformer Engine does not defer weight gradients with Userbuffers "
-                         f"(--tp-comm-overlap); drop --tp-comm-overlap")
+    _check_no_userbuffers(layer, name)
+
+
+def userbuffers_options(layer) -> list[str]:
+    """The Userbuffers options set on a TE module (its `ub_overlap_*` and `ub_bulk_*` attributes that are True)."""
+    return sorted(option for option, value in vars(layer).items()
+                  if option.startswith(("ub_overlap_", "ub_bulk_")) and value is True)
+
+
+def _check_no_userbuffers(layer, name: str) -> None:
+    options = userbuffers_options(layer)
+    if options:
+        option = next((o for o in options if o in USERBUFFERS_IN_W), options[0])
+        why = USERBUFFERS_IN_W.get(option, "the split has never run with Userbuffers")
+        raise PatchError(f"{name}: Transformer Engine's Userbuffers option {option} does not work with a schedule that "
+                         f"splits the backward ({why}); build {name} without Userbuffers options (megatron: drop "
+                         f"--tp-comm-overlap), or use a schedule that does not split it (--pipeline-schedule 1f1b)")
 
 
 _MISSING = object()
