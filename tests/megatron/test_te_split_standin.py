@@ -299,6 +299,56 @@ def test_te_versions_that_cannot_defer_are_refused_naming_the_version_needed(ver
 
 
 
+# -- TE issue #3437: without main_grad fusion backward_dw assigns weight.grad instead of adding to it -------------
+class CalledTwice(torch.nn.Module):
+    """One stand-in Linear applied twice in a forward: its weight gets two gradients in one backward."""
+
+    def __init__(self, fuse: bool, release: tuple):
+        super().__init__()
+        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, fuse_wgrad_accumulation=fuse, release=release)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.proj(x)))
+
+
+def test_the_stand_in_assigns_weight_grad_in_backward_dw_as_te_does():
+    """What makes #3437: a second backward_dw overwrites the first one's weight gradient (TE 2.8 on)."""
+    layer = CalledTwice(fuse=False, release=(2, 20)).proj
+    layer.wgrad_store = te_standin.StandInWeightGradStore(delay_wgrad_compute=True)
+    x, dy = data()[0]
+    layer(x).backward(dy)
+    layer(x).backward(dy)
+    layer.backward_dw()
+    first = layer.weight.grad.clone()
+    layer.backward_dw()
+    assert torch.equal(layer.weight.grad, first)  # assigned again, not added: 2 * first is what autograd would hold
+
+
+TWO_GRADIENT_CASES = [case for case in SPLIT_CASES if case[1] >= (2, 8)]
+
+
+@pytest.mark.parametrize("mode, release", TWO_GRADIENT_CASES, ids=[_case_id(case) for case in TWO_GRADIENT_CASES])
+def test_a_weight_with_two_gradients_per_microbatch_gets_their_sum_although_backward_dw_assigns(mode, release):
+    fuse = mode != "plain"
+    modules = [CalledTwice(fuse, release) for _ in range(2)]
+    if fuse:
+        for module in modules:
+            module.proj.weight.main_grad = torch.zeros_like(module.proj.weight)
+            if mode.endswith("ddp_flag"):
+                module.proj.weight.grad_added_to_main_grad = False
+    reference, split = modules
+    want = fused_run(reference, data())
+    store = WeightGradStore("chunk 0")
+    store.attach(split, ADAPTER)
+    got = split_run(split, data(), store)
+    assert split.proj.wgrad_store.puts == 2 * MICROBATCHES  # two entries, two assignments, per microbatch
+    assert_identical(got, want)
+
+
 
 # -- refused per module -------------------------------------------------------------------------------------
 USERBUFFERS_CASES = [(kind, option) for kind in te_standin.KINDS for option in kind.USERBUFFERS]
@@ -335,6 +385,40 @@ def test_userbuffers_options_that_are_off_are_no_refusal():
     block = Block()
     assert all(getattr(layer, option) is False for layer in (block.proj, block.mlp) for option in layer.USERBUFFERS)
     assert WeightGradStore("chunk 0").attach(block, ADAPTER) == 6
+
+
+class Tied(torch.nn.Module):
+    """Two stand-in Linears sharing one weight (#3437's case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = te_standin.StandInLinear(HIDDEN, HIDDEN, bias=False)
+        self.second = te_standin.StandInLinear(HIDDEN, HIDDEN, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_parameter_that_a_te_module_shares_with_another_is_refused_in_one_line():
+    block = Tied()
+    originals = {name: m.wgrad_store for name, m in block.named_children()}
+    with pytest.raises(PatchError) as refused:
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message == ("first.weight and second.weight are one parameter (tied), and a schedule that splits the "
+                       "backward sets a B pass's gradient of a Transformer Engine module's parameters aside, which "
+                       "would drop the other use's; untie them, or use a schedule that does not split the backward "
+                       "(--pipeline-schedule 1f1b)")
+    assert all(getattr(block, name).wgrad_store is queue for name, queue in originals.items())
+
+
+def test_a_te_weight_tied_to_a_module_outside_te_is_refused_too():
+    block = Block()
+    block.head.weight = block.proj.weight  # a plain torch Linear using the TE module's weight
+    with pytest.raises(PatchError, match=r"^proj.weight and head.weight are one parameter \(tied\)"):
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
 
 
 def test_a_module_the_split_refuses_stops_a_training_run_in_one_line(monkeypatch, capsys):
