@@ -31,8 +31,7 @@ def prepare_process() -> None:
     import torch
 
     # What is imported so far (torch, this package) lives as long as the process: frozen, it is not walked again by
-    # the collections megatron's import sets off (a rank's imports 2.11 -> 1.82 CPU-s, measured on the 2-core
-    # machine); teardown.run_to_end freezes megatron's part too.
+    # the collections megatron's import sets off; teardown.run_to_end freezes megatron's part too.
     gc.freeze()
     from ..patches import imports, prebuilt_helpers
     from ..patches.uncompiled_import import uncompiled_import
