@@ -3,13 +3,15 @@
 Transformer Engine (TE) needs CUDA, so the code that drives its weight-gradient deferral (patches/te_wgrad.py:
 which modules are switched, the order of the W work, readiness for megatron DDP, replays) is tested on CPU
 against these small modules, which keep the contract TE documents and implements (read from its sources,
-2.3 to 2.19; the numbers are plain torch, the behaviour around them TE's):
+2.3 to 2.20; the numbers are plain torch, the behaviour around them TE's; `release`, (major, minor), picks where
+the releases differ, the newest by default):
 
 - a module holds `wgrad_store`, a per-module FIFO; with `delay_wgrad_compute()` True in backward the module
   computes the input gradient, `put`s ([tensors], gemm) and returns no weight gradient; `backward_dw()` pops one
-  entry (the MLP two: fc2's, then fc1's), runs the GEMM and assigns `weight.grad` (not fused) and `bias.grad`
-  (where it is None), then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks`; popping an
-  empty queue raises "Pop empty queue"; `need_backward_dw()` says whether the deferral is on;
+  entry (the MLP two: fc2's, then fc1's), runs the GEMM and assigns `weight.grad` (not fused; from 2.8 on always,
+  overwriting what is there, TE issue #3437; before, only where it is None) and `bias.grad` (where it is None),
+  then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks`; popping an empty queue raises
+  "Pop empty queue"; `need_backward_dw()` says whether the deferral is on;
 - `fuse_wgrad_accumulation`: the GEMM accumulates into `weight.main_grad` (overwrites it for the first
   microbatch when the caller says so), and backward returns a placeholder gradient (here NaN, so that adding it
   anywhere shows) with `weight.grad_added_to_main_grad = True` when the weight has that attribute (megatron DDP);
@@ -17,10 +19,12 @@ against these small modules, which keep the contract TE documents and implements
   Linear 2.16+; here every module, which is stricter);
 - a layer norm fused in front (the MLP's `layer_norm_*`) gets its gradients in B;
 - a bias gradient formed in B (`bias_grad_in_b`: TE's Linear under FP8, LayerNormMLP's fc1 with its bias-GELU
-  fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it as TE 2.19 does (TE
-  issue #3400) unless it finds `bias.grad` set;
+  fusion) is returned to autograd and the W GEMM then gives none: `backward_dw` fails on it unless it finds
+  `bias.grad` set (TE issue #3400), as LayerNormMLP's does in every release and Linear's before 2.20; 2.20's
+  Linear skips a bias gradient the GEMM did not give;
+- the Userbuffers options each TE module has (`USERBUFFERS`, all False here, as TE sets them without Userbuffers);
 - `GroupedLinear` (StandInGroupedLinear): without fusion B returns to autograd the buffer W will write into, not
-  yet written (here NaN); `backward_dw` returns at once on an empty queue (`context.empty()`); TE 2.19's
+  yet written (here NaN); `backward_dw` returns at once on an empty queue (`context.empty()`); TE 2.19's and 2.20's
   grouped-tensor path (`grouped_tensor=True`) queues its operands as plain objects holding tensors (TE's
   GroupedTensorStorage) and forms the bias gradients in B.
 
@@ -75,17 +79,25 @@ def _placeholder(shape, dtype) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
+NEWEST_RELEASE = (2, 20)
+
+
 class StandInTEModule(torch.nn.Module):
     """TE's TransformerEngineBaseModule: the deferral and backward_dw()."""
 
     weight_names: tuple = ()
     bias_names: tuple = ()
+    USERBUFFERS: tuple = ()  # the module's Userbuffers options (TE's attribute names)
 
-    def __init__(self, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False):
+    def __init__(self, fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
+                 release: tuple = NEWEST_RELEASE):
         super().__init__()
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.release = tuple(release)
         self.wgrad_store = StandInWeightGradStore(delay_wgrad_compute)
         self.wgrad_accumulation_and_reduce_hooks = []
+        for option in self.USERBUFFERS:
+            setattr(self, option, False)
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook) -> None:
         self.wgrad_accumulation_and_reduce_hooks.append(hook)
@@ -102,12 +114,17 @@ class StandInTEModule(torch.nn.Module):
         for weight_name, bias_name in zip(self.weight_names, self.bias_names):  # one entry per GEMM
             (wgrad, bgrad), _ = self.wgrad_store.pop()
             weight, bias = getattr(self, weight_name), getattr(self, bias_name, None)
-            if not self.fuse_wgrad_accumulation:
+            if not self.fuse_wgrad_accumulation and (self.release >= (2, 8) or weight.grad is None):
                 weight.grad = wgrad.to(weight.dtype)
-            if bias is not None and bias.grad is None:
-                bias.grad = bgrad.to(bias.dtype)
+            if bias is not None and bias.grad is None and self._backfills_bias(bgrad):
+                bias.grad = bgrad.to(bias.dtype)  # fails on a missing bgrad (TE issue #3400)
         for hook in self.wgrad_accumulation_and_reduce_hooks:
             hook()
+
+    def _backfills_bias(self, bgrad) -> bool:
+        """Whether backward_dw puts the GEMM's bias gradient into an empty `bias.grad`: always before 2.20; from
+        2.20 on (TE #3400's guard in the base class) only where the GEMM gave one."""
+        return self.release < (2, 20) or (bgrad is not None and bgrad.numel() != 0)
 
 
 def _wgrad_gemm(weight, use_bias: bool, fused: bool, accumulate: bool):
@@ -168,6 +185,8 @@ class StandInLinear(StandInTEModule):
     """te.pytorch.Linear: y = x W^T + b."""
 
     weight_names, bias_names = ("weight",), ("bias",)
+    USERBUFFERS = ("ub_overlap_ag_fprop", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
+                   "ub_overlap_rs_fprop", "ub_overlap_ag_dgrad")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, bias_grad_in_b: bool = False,
                  **options):
@@ -222,6 +241,7 @@ class StandInLayerNormMLP(StandInTEModule):
     """te.pytorch.LayerNormMLP: fc2(gelu(fc1(layer_norm(x)))); the norm's gradients come in B."""
 
     weight_names, bias_names = ("fc2_weight", "fc1_weight"), ("fc2_bias", "fc1_bias")  # the order backward_dw pops
+    USERBUFFERS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_wgrad", "ub_bulk_dgrad")
 
     def __init__(self, hidden: int, ffn: int, bias_grad_in_b: bool = False, **options):
         super().__init__(**options)
@@ -232,6 +252,9 @@ class StandInLayerNormMLP(StandInTEModule):
         self.fc1_bias = torch.nn.Parameter(torch.empty(ffn))
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden, ffn))
         self.fc2_bias = torch.nn.Parameter(torch.empty(hidden))
+
+    def _backfills_bias(self, bgrad) -> bool:
+        return True  # LayerNormMLP's backward_dw has no guard in any release read (2.3 to 2.20)
 
     def forward(self, x):
         normed = F.layer_norm(x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias)
@@ -252,7 +275,7 @@ class StandInGroupedStorage:
 
 
 class _GroupedFunction(torch.autograd.Function):
-    """y_i = x_i W_i^T + b_i for the rows of GEMM i; backward as TE 2.19's GroupedLinear."""
+    """y_i = x_i W_i^T + b_i for the rows of GEMM i; backward as TE's GroupedLinear (2.19 and 2.20 alike)."""
 
     @staticmethod
     def forward(ctx, x, m_splits, module, store, is_first_microbatch, *params):
@@ -306,6 +329,8 @@ class StandInGroupedLinear(StandInTEModule):
     """te.pytorch.GroupedLinear (per-GEMM weight{i} / bias{i}); forward(x, m_splits, is_first_microbatch): with
     main_grad fusion the first microbatch's W overwrites main_grad, as TE's does."""
 
+    USERBUFFERS = ("ub_overlap_rs", "ub_overlap_ag")  # TE refuses either at construction
+
     def __init__(self, num_gemms: int, in_features: int, out_features: int, grouped_tensor: bool = False,
                  **options):
         super().__init__(**options)
@@ -327,7 +352,7 @@ class StandInGroupedLinear(StandInTEModule):
         (_, grad_biases, _), tensor_list = self.wgrad_store.pop()
         for i, wgrad in enumerate(tensor_list[2]):
             weight = getattr(self, f"weight{i}")
-            if not self.fuse_wgrad_accumulation:
+            if not self.fuse_wgrad_accumulation and (self.release >= (2, 8) or weight.grad is None):
                 weight.grad = wgrad.to(weight.dtype)
         present = [g is not None for g in grad_biases]
         if any(present) and self.grouped_tensor:

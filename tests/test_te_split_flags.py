@@ -2,7 +2,10 @@
 line naming the flag or the version needed. No megatron import, no process launched."""
 from __future__ import annotations
 
+import importlib.metadata
+import re
 import types
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +13,7 @@ from megatron.zero_bubble.patches import te_wgrad
 from megatron.zero_bubble.training import arguments
 from megatron.zero_bubble.training.checks import check_transformer_engine_split
 
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "transformer-engine.md"
 MODEL = ["--zero-bubble-cpu", "--num-layers", "8", "--micro-batch-size", "2", "--global-batch-size", "16"]
 PP4 = ["--pipeline-model-parallel-size", "4"]
 
@@ -46,10 +50,10 @@ def _te_args(**overrides):
 
 @pytest.mark.parametrize("version, fusion, needed", [
     (None, True, "Transformer Engine is not installed"),
-    ("2.2.0", True, "needs transformer-engine 2.3 to 2.19"),
-    ("2.7.1", False, "without --gradient-accumulation-fusion needs transformer-engine 2.8 to 2.19"),
-    ("2.20.0", True, "2.20.0 is newer than the releases this split was checked against"),
-    ("2.20.0.dev0+d0067d0", True, "is newer than the releases"),
+    ("2.2.0", True, "needs transformer-engine 2.3 to 2.20"),
+    ("2.7.1", False, "without --gradient-accumulation-fusion needs transformer-engine 2.8 to 2.20"),
+    ("2.21.0", True, "2.21.0 is newer than the releases this split was checked against"),
+    ("2.21.0.dev0+d0067d0", True, "is newer than the releases"),
     ("3.0.0", False, "is newer than the releases"),
     ("not-a-version", True, "cannot read the transformer-engine version"),
 ])
@@ -60,15 +64,63 @@ def test_a_transformer_engine_outside_the_versions_read_is_refused_naming_them(v
     message = str(refused.value)
     assert message.startswith("--pipeline-schedule zb-h1 with --transformer-impl transformer_engine: ")
     assert needed in message and "\n" not in message
-    assert message.endswith("; install transformer-engine 2.3 to 2.19 or use --transformer-impl local")
+    assert message.endswith("; install transformer-engine 2.3 to 2.20 or use --transformer-impl local")
 
 
 @pytest.mark.parametrize("version, fusion", [("2.3.0", True), ("2.8.0", False), ("2.14.1", False), ("2.18.0", True),
-                                             ("2.19.0", False), ("2.19.0+cu13", True), ("2.7.0.post0", True)])
+                                             ("2.19.0", False), ("2.19.0+cu13", True), ("2.7.0.post0", True),
+                                             ("2.20.2", True), ("2.20.2", False), ("2.20.0.dev0+d0067d0", True)])
 def test_transformer_engine_versions_that_were_read_are_accepted(version, fusion, monkeypatch):
     monkeypatch.setattr(te_wgrad, "installed_version", lambda: version)
     check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--enable-zero-bubble")
     check_transformer_engine_split(_te_args(transformer_impl="local"), "--enable-zero-bubble")
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_the_version_pip_installs_with_megatron_core_te_passes_the_check_from_its_package_metadata(fusion, monkeypatch):
+    """`pip install megatron-core[te]==0.19.2` brings transformer-engine 2.20.2 (read from the distribution's metadata,
+    as at start-up)."""
+    def version(name):
+        if name == "transformer-engine":
+            return "2.20.2"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(te_wgrad.importlib.metadata, "version", version)
+    assert te_wgrad.installed_version() == "2.20.2"
+    check_transformer_engine_split(_te_args(gradient_accumulation_fusion=fusion), "--pipeline-schedule zb-h1")
+
+
+def _version_table() -> list[tuple[str, str, str]]:
+    """(versions, with --gradient-accumulation-fusion, without it, what was read) of docs/transformer-engine.md's
+    table."""
+    section = DOCS.read_text().split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| transformer-engine")]
+    return [tuple(row) for row in rows]
+
+
+def _versions_of(row: str) -> list[str]:
+    """Versions at both ends of a table row: "2.8 to 2.19" -> 2.8.0, 2.19.0; "below 2.3" -> 2.2.0 and 1.13.0;
+    "2.21 and later" -> 2.21.0 and 3.0.0; "2.20" -> 2.20.0 and 2.20.2."""
+    numbers = [tuple(int(part) for part in found.split(".")) for found in re.findall(r"\d+\.\d+", row)]
+    if row.startswith("below"):
+        (major, minor), = numbers
+        return [f"{major}.{minor - 1}.0", "1.13.0"]
+    if row.endswith("and later"):
+        (major, minor), = numbers
+        return [f"{major}.{minor}.0", f"{major + 1}.0.0"]
+    return [f"{major}.{minor}.{patch}" for major, minor in numbers for patch in (0, 2)]
+
+
+def test_the_version_table_in_the_docs_is_what_the_check_does():
+    rows = _version_table()
+    major, minor = te_wgrad.MAX_VERSION.split(".")
+    assert [row[0] for row in rows][-2:] == [te_wgrad.MAX_VERSION, f"{major}.{int(minor) + 1} and later"]
+    for versions, fused, unfused, _ in rows:
+        for version in _versions_of(versions):
+            for fusion, documented in ((True, fused), (False, unfused)):
+                accepted = te_wgrad.version_refusal(version, fusion) is None
+                assert accepted == documented.startswith("supported"), (version, fusion, documented)
 
 
 @pytest.mark.parametrize("overrides, flag", [
@@ -77,7 +129,7 @@ def test_transformer_engine_versions_that_were_read_are_accepted(version, fusion
     ({"overlap_dispatch_backward_with_experts_wgrad": True}, "--overlap-dispatch-backward-with-experts-wgrad"),
 ])
 def test_te_features_that_cannot_defer_are_refused_with_te_layers_split(overrides, flag, monkeypatch):
-    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.19.0")
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.20.2")
     with pytest.raises(arguments.StartupRefusal, match=f"^{flag}.*drop {flag}$"):
         check_transformer_engine_split(_te_args(**overrides), "--enable-zero-bubble")
 
@@ -88,7 +140,7 @@ def test_te_features_that_cannot_defer_are_refused_with_te_layers_split(override
     ({"fp4_param_gather": True}, "--fp4-param-gather"),
 ])
 def test_fp8_and_fp4_are_refused_with_te_layers_split_in_one_line(overrides, given, monkeypatch):
-    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.19.0")
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.20.2")
     with pytest.raises(arguments.StartupRefusal) as refused:
         check_transformer_engine_split(_te_args(**overrides), "--pipeline-schedule zb-h1")
     message = str(refused.value)

@@ -103,6 +103,10 @@ REFUSALS = {  # label -> (extra flags, world size, words the one-line refusal mu
                                      4, ["--moe-shared-expert-overlap needs CUDA", "drop"]),
     "expert all-to-all overlap with the runtime": (PP4 + MOE + ["--enable-zero-bubble", "--overlap-moe-expert-parallel-comm"],
                                                    4, ["--overlap-moe-expert-parallel-comm", "--enable-zero-bubble"]),
+    "MoE paged stash with a split schedule": (PP4 + MOE + ["--pipeline-schedule", "zb-h1", "--moe-paged-stash"], 4,
+                                              ["--moe-paged-stash does not work with the zero-bubble runtime "
+                                               "(--pipeline-schedule zb-h1)", "the stash would stay off",
+                                               "drop --moe-paged-stash"]),
     "post-validation with mixture of experts, good flags": (
         PP4 + MOE + ["--enable-zero-bubble", "--enable-optimizer-post-validation"], 4, None, MODEL + TRAIN_PV),
     "post-validation with the MoE router trace": (

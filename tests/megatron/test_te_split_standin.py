@@ -31,10 +31,10 @@ ADAPTER = MegatronAdapter(te_layer_types=te_standin.KINDS)
 class Block(torch.nn.Module):
     """Two stand-in TE modules and a plain torch Linear (not TE: never switched)."""
 
-    def __init__(self, fuse: bool = False, seed: int = 0):
+    def __init__(self, fuse: bool = False, seed: int = 0, release: tuple = te_standin.NEWEST_RELEASE):
         super().__init__()
-        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, fuse_wgrad_accumulation=fuse)
-        self.mlp = te_standin.StandInLayerNormMLP(HIDDEN, FFN, fuse_wgrad_accumulation=fuse)
+        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, fuse_wgrad_accumulation=fuse, release=release)
+        self.mlp = te_standin.StandInLayerNormMLP(HIDDEN, FFN, fuse_wgrad_accumulation=fuse, release=release)
         self.head = torch.nn.Linear(HIDDEN, HIDDEN)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -101,12 +101,31 @@ def assert_identical(got: dict, want: dict) -> None:
     assert not different, f"differ: {different}"
 
 
+# The stand-in's behaviour of each line of the version table that the split accepts (docs/transformer-engine.md):
+# before 2.8 backward_dw sets weight.grad only where it is None (accepted with main_grad fusion alone), 2.20 skips a
+# bias gradient the GEMM did not give.
+ACCEPTED_RELEASES = {"2.3 to 2.7": (2, 7), "2.8 to 2.19": (2, 19), "2.20": (2, 20)}
+SPLIT_CASES = [(mode, release) for mode in ("plain", "main_grad", "main_grad+ddp_flag")
+               for release in ACCEPTED_RELEASES.values()
+               if te_wgrad.version_refusal(f"{release[0]}.{release[1]}.0", mode != "plain") is None]
+
+
+def test_every_accepted_line_of_the_version_table_has_a_stand_in_case():
+    assert {release for _, release in SPLIT_CASES} == set(ACCEPTED_RELEASES.values())
+    assert ("plain", (2, 7)) not in SPLIT_CASES and ("plain", (2, 20)) in SPLIT_CASES
+
+
+def _case_id(case) -> str:
+    mode, (major, minor) = case
+    return f"{mode}-te{major}.{minor}"
+
+
 @pytest.mark.parametrize("w_after_each_b", [False, True])
-@pytest.mark.parametrize("mode", ["plain", "main_grad", "main_grad+ddp_flag"])
-def test_standin_te_modules_split_into_b_and_w_match_their_fused_backward_bit_for_bit(mode, w_after_each_b):
+@pytest.mark.parametrize("mode, release", SPLIT_CASES, ids=[_case_id(case) for case in SPLIT_CASES])
+def test_standin_te_modules_split_into_b_and_w_match_their_fused_backward_bit_for_bit(mode, release, w_after_each_b):
     fuse = mode != "plain"
-    reference = Block(fuse)
-    split = Block(fuse)
+    reference = Block(fuse, release=release)
+    split = Block(fuse, release=release)
     if fuse:
         with_main_grads(reference, mode.endswith("ddp_flag"))
         with_main_grads(split, mode.endswith("ddp_flag"))
@@ -267,11 +286,169 @@ def test_a_deferral_outside_a_b_pass_is_refused():
 
 
 @pytest.mark.parametrize("version, fused, needed", [
-    (None, True, "not installed"), ("2.2.1", True, "2.3 to 2.19"), ("2.3.0", True, None), ("2.7.0", False, "2.8 to 2.19"),
-    ("2.8.0", False, None), ("2.14.0+cu13", False, None), ("2.19.0", False, None), ("2.20.0", True, "newer"),
+    (None, True, "not installed"), ("2.2.1", True, "2.3 to 2.20"), ("2.3.0", True, None),
+    ("2.7.0", False, "2.8 to 2.20"),
+    ("2.8.0", False, None), ("2.14.0+cu13", False, None), ("2.19.0", False, None), ("2.20.2", False, None),
+    ("2.20.2", True, None), ("2.21.0", True, "newer"),
 ])
 def test_te_versions_that_cannot_defer_are_refused_naming_the_version_needed(version, fused, needed):
     reason = te_wgrad.version_refusal(version, fused)
     assert (reason is None) == (needed is None)
     if needed is not None:
         assert needed in reason
+
+
+
+# -- TE issue #3437: without main_grad fusion backward_dw assigns weight.grad instead of adding to it -------------
+class CalledTwice(torch.nn.Module):
+    """One stand-in Linear applied twice in a forward: its weight gets two gradients in one backward."""
+
+    def __init__(self, fuse: bool, release: tuple):
+        super().__init__()
+        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, fuse_wgrad_accumulation=fuse, release=release)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+    def forward(self, x):
+        return self.proj(torch.tanh(self.proj(x)))
+
+
+def test_the_stand_in_assigns_weight_grad_in_backward_dw_as_te_does():
+    """What makes #3437: a second backward_dw overwrites the first one's weight gradient (TE 2.8 on)."""
+    layer = CalledTwice(fuse=False, release=(2, 20)).proj
+    layer.wgrad_store = te_standin.StandInWeightGradStore(delay_wgrad_compute=True)
+    x, dy = data()[0]
+    layer(x).backward(dy)
+    layer(x).backward(dy)
+    layer.backward_dw()
+    first = layer.weight.grad.clone()
+    layer.backward_dw()
+    assert torch.equal(layer.weight.grad, first)  # assigned again, not added: 2 * first is what autograd would hold
+
+
+TWO_GRADIENT_CASES = [case for case in SPLIT_CASES if case[1] >= (2, 8)]
+
+
+@pytest.mark.parametrize("mode, release", TWO_GRADIENT_CASES, ids=[_case_id(case) for case in TWO_GRADIENT_CASES])
+def test_a_weight_with_two_gradients_per_microbatch_gets_their_sum_although_backward_dw_assigns(mode, release):
+    fuse = mode != "plain"
+    modules = [CalledTwice(fuse, release) for _ in range(2)]
+    if fuse:
+        for module in modules:
+            module.proj.weight.main_grad = torch.zeros_like(module.proj.weight)
+            if mode.endswith("ddp_flag"):
+                module.proj.weight.grad_added_to_main_grad = False
+    reference, split = modules
+    want = fused_run(reference, data())
+    store = WeightGradStore("chunk 0")
+    store.attach(split, ADAPTER)
+    got = split_run(split, data(), store)
+    assert split.proj.wgrad_store.puts == 2 * MICROBATCHES  # two entries, two assignments, per microbatch
+    assert_identical(got, want)
+
+
+
+# -- refused per module -------------------------------------------------------------------------------------
+USERBUFFERS_CASES = [(kind, option) for kind in te_standin.KINDS for option in kind.USERBUFFERS]
+
+
+def _standin(kind):
+    if kind is te_standin.StandInGroupedLinear:
+        return kind(2, HIDDEN, HIDDEN)
+    return kind(HIDDEN, FFN) if kind is te_standin.StandInLayerNormMLP else kind(HIDDEN, HIDDEN)
+
+
+@pytest.mark.parametrize("kind, option", USERBUFFERS_CASES,
+                         ids=[f"{kind.__name__}-{option}" for kind, option in USERBUFFERS_CASES])
+def test_a_te_module_with_a_userbuffers_option_is_refused_in_one_line_naming_it(kind, option):
+    block = torch.nn.Module()
+    block.first = te_standin.StandInLinear(HIDDEN, HIDDEN)
+    block.overlapped = _standin(kind)
+    setattr(block.overlapped, option, True)
+    originals = {name: m.wgrad_store for name, m in block.named_children()}
+    with pytest.raises(PatchError) as refused:
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"overlapped: Transformer Engine's Userbuffers option {option} does not work with a "
+                              f"schedule that splits the backward (")
+    assert message.endswith("build overlapped without Userbuffers options (megatron: drop --tp-comm-overlap), or use "
+                            "a schedule that does not split it (--pipeline-schedule 1f1b)")
+    if option in te_wgrad.USERBUFFERS_IN_W:
+        assert te_wgrad.USERBUFFERS_IN_W[option] in message
+    assert all(getattr(block, name).wgrad_store is queue for name, queue in originals.items())
+
+
+def test_userbuffers_options_that_are_off_are_no_refusal():
+    block = Block()
+    assert all(getattr(layer, option) is False for layer in (block.proj, block.mlp) for option in layer.USERBUFFERS)
+    assert WeightGradStore("chunk 0").attach(block, ADAPTER) == 6
+
+
+class Tied(torch.nn.Module):
+    """Two stand-in Linears sharing one weight (#3437's case)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = te_standin.StandInLinear(HIDDEN, HIDDEN, bias=False)
+        self.second = te_standin.StandInLinear(HIDDEN, HIDDEN, bias=False)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def test_a_parameter_that_a_te_module_shares_with_another_is_refused_in_one_line():
+    block = Tied()
+    originals = {name: m.wgrad_store for name, m in block.named_children()}
+    with pytest.raises(PatchError) as refused:
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message == ("first.weight and second.weight are one parameter (tied), and a schedule that splits the "
+                       "backward sets a B pass's gradient of a Transformer Engine module's parameters aside, which "
+                       "would drop the other use's; untie them, or use a schedule that does not split the backward "
+                       "(--pipeline-schedule 1f1b)")
+    assert all(getattr(block, name).wgrad_store is queue for name, queue in originals.items())
+
+
+def test_a_te_weight_tied_to_a_module_outside_te_is_refused_too():
+    block = Block()
+    block.head.weight = block.proj.weight  # a plain torch Linear using the TE module's weight
+    with pytest.raises(PatchError, match=r"^proj.weight and head.weight are one parameter \(tied\)"):
+        WeightGradStore("chunk 0").attach(block, ADAPTER)
+
+
+def test_a_module_the_split_refuses_stops_a_training_run_in_one_line(monkeypatch, capsys):
+    """Met when the runtime first takes the chunks over, inside megatron's training loop: the session turns it into
+    the one-line refusal (exit status 2, no traceback), as it does a failed split check."""
+    from megatron.zero_bubble.training import setup
+
+    class Session:  # stands for ZeroBubbleSession: nothing installed
+        def __init__(self, **options):
+            self.pipeline = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(setup, "ZeroBubbleSession", Session)
+    monkeypatch.setattr(setup, "plan_settings", lambda args, options: types.SimpleNamespace(chunks=1))
+    monkeypatch.setattr(setup, "messaging_options", lambda args: None)
+    monkeypatch.setenv("RANK", "0")
+    args = types.SimpleNamespace(transformer_impl="local", pipeline_model_parallel_size=4, overlap_grad_reduce=False)
+    options = types.SimpleNamespace(through_runtime=True, schedule="zb-h1", split_check=True, post_validation=False)
+    block = Block()
+    WeightGradStore("chunk 0").attach(block, ADAPTER)
+    with pytest.raises(SystemExit) as stopped:
+        with setup.zero_bubble_session(args, options):
+            WeightGradStore("chunk 1").attach(block, ADAPTER)  # what the executor does at the first training call
+    assert stopped.value.code == 2
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1 and "Traceback" not in printed.err + printed.out
+    assert printed.err.endswith(": error: proj is already split into WeightGradStore 'chunk 0'; a layer can belong to "
+                                "one model chunk only\n")

@@ -1,8 +1,9 @@
-"""The Transformer Engine split (patches/te_wgrad.py) on more of TE 2.19's behaviours, as tests/te_standin.py has them.
+"""The Transformer Engine split (patches/te_wgrad.py) on more of TE's behaviours, as tests/te_standin.py has them.
 
 GroupedLinear (its legacy and grouped-tensor paths: an unwritten gradient buffer handed to autograd in B, operands
 queued as plain objects holding tensors, bias gradients formed in B), a bias gradient formed in B that TE's
-backward_dw expects to find in `.grad` (TE's FP8 Linear, LayerNormMLP's bias-GELU fusion; TE issue #3400), and the
+backward_dw expects to find in `.grad` (TE's FP8 Linear before 2.20, LayerNormMLP's bias-GELU fusion in every release;
+TE issue #3400), and the
 TE modules whose W stays in B (distributed weights; parameters megatron runs through TE's operation-based modules).
 The reference is the stand-in's own undeferred backward (megatron's schedules), compared with torch.equal.
 """
@@ -134,7 +135,7 @@ def test_grouped_linear_hands_autograd_an_unwritten_buffer_in_b_which_the_split_
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["own-buffer", "main_grad"])
 def test_grouped_tensor_operands_held_for_w_are_counted_by_what_they_hold(fuse):
-    """TE 2.19's grouped path queues objects that are no tensors; what W keeps alive is their rows (input and
+    """TE's grouped path (2.19, 2.20) queues objects that are no tensors; what W keeps alive is their rows (input and
     output gradient) and, without fusion, the gradient buffer W writes into; main_grad is not counted."""
     module = _seeded(Grouped(grouped_tensor=True, fuse=fuse))
     if fuse:
@@ -155,35 +156,59 @@ def test_grouped_tensor_operands_held_for_w_are_counted_by_what_they_hold(fuse):
 class BiasInB(torch.nn.Module):
     """A Linear whose bias gradient comes in B (TE's FP8 path) and an MLP whose fc1 bias gradient does (bias-GELU)."""
 
-    def __init__(self, fuse: bool):
+    def __init__(self, fuse: bool, release: tuple = te_standin.NEWEST_RELEASE):
         super().__init__()
-        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, bias_grad_in_b=True, fuse_wgrad_accumulation=fuse)
-        self.mlp = te_standin.StandInLayerNormMLP(HIDDEN, 12, bias_grad_in_b=True, fuse_wgrad_accumulation=fuse)
+        self.proj = te_standin.StandInLinear(HIDDEN, HIDDEN, bias_grad_in_b=True, fuse_wgrad_accumulation=fuse,
+                                             release=release)
+        self.mlp = te_standin.StandInLayerNormMLP(HIDDEN, 12, bias_grad_in_b=True, fuse_wgrad_accumulation=fuse,
+                                                  release=release)
 
     def forward(self, x):
         return self.mlp(self.proj(x))
 
 
+RELEASES = {"2.19": (2, 19), "2.20": (2, 20)}  # backward_dw's bias rule differs between them (TE #3400's guard)
+
+
+@pytest.mark.parametrize("release", list(RELEASES.values()), ids=list(RELEASES))
 @pytest.mark.parametrize("mode", ["plain", "main_grad+ddp_flag"])
-def test_a_bias_gradient_formed_in_b_is_handed_back_to_backward_dw_and_accumulated_once(mode):
-    reference, split = _pair(BiasInB, mode)
+def test_a_bias_gradient_formed_in_b_is_handed_back_to_backward_dw_and_accumulated_once(mode, release):
+    reference, split = _pair(lambda fuse: BiasInB(fuse, release), mode)
     want = _fused_run(reference, _data(HIDDEN))
     store = WeightGradStore("chunk 0")
     store.attach(split, ADAPTER)
     _assert_identical(_split_run(split, _data(HIDDEN), store), want)
 
 
-def test_the_stand_in_fails_as_te_does_when_a_bias_gradient_formed_in_b_was_cleared():
-    """TE 2.19's backward_dw (TE issue #3400) calls .to() on the GEMM's missing bias gradient when it
-    finds bias.grad None: the stand-in does the same, so the test above would fail if the split did not hand the
-    B gradient back."""
-    layer = _seeded(te_standin.StandInLinear(HIDDEN, HIDDEN, bias_grad_in_b=True, delay_wgrad_compute=True))
+def _bias_in_b_layer(kind: str, release: tuple):
+    if kind == "Linear":
+        return te_standin.StandInLinear(HIDDEN, HIDDEN, bias_grad_in_b=True, delay_wgrad_compute=True, release=release)
+    return te_standin.StandInLayerNormMLP(HIDDEN, 12, bias_grad_in_b=True, delay_wgrad_compute=True, release=release)
+
+
+@pytest.mark.parametrize("kind, release", [("Linear", (2, 19)), ("LayerNormMLP", (2, 19)), ("LayerNormMLP", (2, 20))])
+def test_the_stand_in_fails_as_te_does_when_a_bias_gradient_formed_in_b_was_cleared(kind, release):
+    """backward_dw calls .to() on the GEMM's missing bias gradient when it finds bias.grad None (TE issue #3400):
+    LayerNormMLP's in every release, Linear's before 2.20. The stand-in does the same, so the test above would fail
+    if the split did not hand the B gradient back."""
+    layer = _seeded(_bias_in_b_layer(kind, release))
+    bias = layer.bias if kind == "Linear" else layer.fc1_bias
     (x, dy), = _data(HIDDEN)[:1]
     layer(x).backward(dy)
-    assert layer.bias.grad is not None and layer.weight.grad is None
-    layer.bias.grad = None  # an external consumer moved it away
+    assert bias.grad is not None
+    bias.grad = None  # an external consumer moved it away
     with pytest.raises(AttributeError, match="'NoneType' object has no attribute 'to'"):
         layer.backward_dw()
+
+
+def test_the_stand_in_of_2_20_linear_skips_a_bias_gradient_the_gemm_did_not_give():
+    """TE 2.20's base backward_dw (#3400's guard): no failure, and no bias gradient from W."""
+    layer = _seeded(_bias_in_b_layer("Linear", (2, 20)))
+    (x, dy), = _data(HIDDEN)[:1]
+    layer(x).backward(dy)
+    layer.bias.grad = None
+    layer.backward_dw()
+    assert layer.bias.grad is None and layer.weight.grad is not None
 
 
 class KeptInB(torch.nn.Module):

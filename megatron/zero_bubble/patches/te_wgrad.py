@@ -2,34 +2,36 @@
 
 TE's documented contract: a module built with `delay_wgrad_compute=True` computes only the input gradient in
 backward and the caller runs `module.backward_dw()` later for the weight gradient. How TE's sources implement it
-(`Linear`, `LayerNormLinear`, `LayerNormMLP`, `GroupedLinear`; 2.3 to 2.19, see `version_refusal`): each
+(`Linear`, `LayerNormLinear`, `LayerNormMLP`, `GroupedLinear`; 2.3 to 2.20, see `version_refusal`): each
 module keeps a FIFO, `module.wgrad_store` (TE's `WeightGradStore`); when its `delay_wgrad_compute()` answers
 True in backward, the module `put`s what the weight-gradient GEMM needs (the operands and the GEMM as a
 function) and returns to autograd no weight gradient, TE's placeholder (`fuse_wgrad_accumulation` with megatron
 DDP: `grad_added_to_main_grad` set), or (`GroupedLinear` without fusion) the buffer W will write into, not yet
-written. `backward_dw()` pops one entry (`LayerNormMLP` two: fc2 then fc1), runs the GEMM (into `main_grad`
-when fused, with the accumulate flag B decided), assigns `weight.grad` (not fused; 2.8+ always, before only
-where None) and `bias.grad` where it is still None (a bias gradient B formed, e.g. with FP8, stays; with none
-there and none from the GEMM TE fails, TE issue #3400), then runs the hooks given to
-`register_wgrad_accumulation_and_reduce_hooks` (2.7+). Popping an empty queue raises "Pop empty queue";
+written. `backward_dw()` pops one entry (`LayerNormMLP` two: fc2 then fc1), runs the GEMM (into `main_grad` when
+fused, with the accumulate flag B decided), assigns `weight.grad` (not fused; 2.8+ always, before only where None; TE
+issue #3437: it does not add) and `bias.grad` where it is still None (a bias gradient B formed, e.g. with FP8, stays;
+with none there and none from the GEMM, `LayerNormMLP` fails in every release and the others before 2.20, TE issue
+#3400), then runs the hooks given to `register_wgrad_accumulation_and_reduce_hooks` (2.7+). Popping an empty queue
+raises "Pop empty queue";
 `GroupedLinear.backward_dw` returns early on `wgrad_store.context.empty()`. `Linear` (2.16+) hands the queue to
 its backward only if `delay_wgrad_compute()` answered True in the forward; the others read it in backward.
 
-How the runtime uses it (`split_modules`, one call per model chunk): each TE module's `wgrad_store` is replaced
-by a `ModuleWgradQueue` (restored by the returned PatchSet), which keeps TE's contract and answers
-`delay_wgrad_compute()` per pass: True in a forward, True in backward only while the chunk's WeightGradStore
-runs a B pass, and while our W runs `backward_dw()`; False otherwise, so a BW pass (or megatron's own schedule
-on the same layers) is TE's ordinary fused backward. Every entry TE queues during a B pass becomes one work item
-in the chunk's WeightGradStore (runtime/wgrad_store.py), filed under the microbatch like the local layers' work:
-running it calls the TE class's own `backward_dw()` until that entry is popped, so each module's entries run in
-microbatch order. Then the gradients TE assigned are accumulated where megatron's fused backward puts them: with
-megatron DDP as DDP's hook does (into `main_grad`, unless TE accumulated there already), otherwise as autograd
-does. Readiness for `--overlap-grad-reduce` goes the local layers' way: the store reports each parameter after
-its last microbatch's work (megatron's `register_grad_ready`); during a B pass megatron DDP's own hook for these
-parameters is kept quiet (it would find no gradient, or TE's placeholder, and count it ready; under
---overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` is taken out when the pass
-ends; a bias gradient formed in B is handed back to that entry's `backward_dw` (TE expects it there), a weight's
-(a placeholder, or GroupedLinear's unwritten buffer) is dropped.
+How the runtime uses it (`split_modules`, one call per model chunk): each TE module's `wgrad_store` is replaced by a
+`ModuleWgradQueue` (restored by the returned PatchSet), which keeps TE's contract and answers `delay_wgrad_compute()`
+per pass: True in a forward, True in backward only while the chunk's WeightGradStore runs a B pass, and while our W
+runs `backward_dw()`; False otherwise, so a BW pass (or megatron's own schedule on the same layers) is TE's ordinary
+fused backward. Every entry TE queues during a B pass becomes one work item in the chunk's WeightGradStore
+(runtime/wgrad_store.py), filed under the microbatch like the local layers' work: running it calls the TE class's own
+`backward_dw()` until that entry is popped, so each module's entries run in microbatch order. Then the gradients TE
+assigned, summed over the entries of one B pass as autograd sums a module's uses in one backward, are accumulated
+where megatron's fused backward puts them: with megatron DDP as DDP's hook does (into `main_grad`, unless TE
+accumulated there already), otherwise as autograd does. Readiness for `--overlap-grad-reduce` goes the local layers'
+way: the store reports each parameter after its last microbatch's work (megatron's `register_grad_ready`); during a B
+pass megatron DDP's own hook for these parameters is kept quiet (it would find no gradient, or TE's placeholder, and
+count it ready; under --overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` is taken
+out when the pass ends; a bias gradient formed in B is handed back to that entry's `backward_dw` (TE expects it
+there), a weight's (a placeholder, or GroupedLinear's unwritten buffer) is dropped.
+
 
 The TE internals used beyond the documented option, and why: `module.wgrad_store` is replaced because the option
 is fixed when megatron builds the module (megatron's own `--delay-wgrad-compute` needs its combined-1F1B
@@ -38,17 +40,21 @@ must become W work of the microbatch as it is queued; the class's unbound `backw
 megatron's wrappers do nothing in theirs unless `--delay-wgrad-compute`; `.grad` is moved around B for the
 bias rule above.
 
-Versions (`version_refusal`): 2.3 to 2.19, whose sources were read (the deferral code of 2.19 and of the 2.20
-development tree line by line; the releases before through how that code changed from one to the next: every
-`backward_dw` and the code around each use of `wgrad_store`); the 2.20 release was not available to read.
-Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad` only where it is
-None; the split clears `.grad` before it runs, but keeps the floor it was written with.
-Refused (PatchError): TE modules with Userbuffers tensor-parallel overlap (TE does not defer there). Not split
-(their W stays in B, which is exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE
-modules with distributed weights (megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 finalizes, i.e.
-reduce-scatters, such a gradient in backward only, skipping or mishandling one it defers), and the TE modules
-whose parameters megatron runs through TE's operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and
-`TEGroupedMLP` under `--use-transformer-engine-op-fuser`), whose own forward never runs.
+Versions (`version_refusal`): 2.3 to 2.20, whose sources were read: the deferral code of the 2.19 and 2.20
+releases line by line, the releases before through how that code changed from one to the next (every
+`backward_dw` and the code around each use of `wgrad_store`). 2.20 changed one thing there: the base class's
+`backward_dw` (`Linear`, `LayerNormLinear`) skips a bias gradient the GEMM did not give (TE #3400's guard);
+`LayerNormMLP`'s does not, so the hand-back of a bias gradient formed in B stays. A later release is refused until
+its deferral is read. Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad`
+only where it is None; the split clears `.grad` before it runs, but keeps the floor it was written with.
+Refused (PatchError, one line naming the module or parameter): a TE module with a Userbuffers option (see
+`USERBUFFERS_IN_W`), and a parameter of a TE module that another module shares (tied): every B pass takes such a
+parameter's `.grad` aside, which would drop the other user's gradient. Not split (their W stays in B, which is
+exact): megatron's `TELMHeadColumnParallelLinear` (megatron keeps its W in B), TE modules with distributed weights
+(megatron's `--tensor-parallel-num-weight-shards`: TE 2.19 and 2.20 finalize, i.e. reduce-scatter, such a gradient in
+backward only, skipping or mishandling one it defers), and the TE modules whose parameters megatron runs through TE's
+operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and `TEGroupedMLP` under
+`--use-transformer-engine-op-fuser`), whose own forward never runs.
 """
 from __future__ import annotations
 
@@ -64,10 +70,20 @@ from ._patching import PatchError, PatchSet
 
 MIN_VERSION = "2.3"  # delay_wgrad_compute, backward_dw
 MIN_VERSION_UNFUSED = "2.8"  # without main_grad fusion: backward_dw overwrites weight.grad
-MAX_VERSION = "2.19"  # the newest release whose sources were read (the 2.20 release was not available to read)
+MAX_VERSION = "2.20"  # the newest release whose sources were read
 VERSIONS_READ = f"transformer-engine {MIN_VERSION} to {MAX_VERSION}"
 SPLIT_KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")  # in transformer_engine.pytorch
 KEEP_IN_B = ("TELMHeadColumnParallelLinear",)  # megatron pins its deferral off (its backward_dw does nothing)
+# TE's Userbuffers options (attributes of its modules, 2.3 to 2.20) under which a deferred W would read or write a
+# Userbuffers buffer that later passes reuse. A split module with any Userbuffers option set is refused: the others
+# (forward only, or the dgrad reduce-scatter) leave W's operands alone in TE's sources, but megatron sets them together
+# with these and the split has never run with Userbuffers.
+USERBUFFERS_IN_W = {
+    "ub_overlap_ag_dgrad": "W would read grad_output from the Userbuffers buffer it was gathered into",
+    "ub_overlap_ag": "W would read fc2's grad_output from the Userbuffers buffer it was gathered into",  # LayerNormMLP
+    "ub_bulk_dgrad": "W would read its input from the Userbuffers buffer it was gathered into",
+    "ub_bulk_wgrad": "W's GEMM would write into a Userbuffers buffer",
+}
 _DISTRIBUTIONS = ("transformer-engine", "transformer-engine-torch", "transformer-engine-cu13",
                   "transformer-engine-cu12")
 
@@ -136,7 +152,12 @@ class ModuleWgradQueue:
     caller adds, or one B sums for FP8) for its hooks. So each B pass's own gradients of the held parameters are
     taken out of `.grad` when the pass ends (`end_b`), kept with the pass's first entry, and put back just for that
     entry's backward_dw: what TE then finds is what its own flow would (a weight's B "gradient" is only ever
-    a placeholder, overwritten in W: dropped)."""
+    a placeholder, overwritten in W: dropped).
+
+    What each backward_dw leaves in `.grad` is taken out too, and the gradients of all entries of one B pass are
+    summed, in the order B queued them, before they are accumulated once when the pass's last entry has been popped:
+    autograd sums the gradients of a module called twice in one backward before accumulating them, and TE's
+    backward_dw assigns `.grad` instead of adding to it (TE issue #3437), so it must not be left to add them."""
 
     def __init__(self, module, name: str, store, backward_dw, held: list):
         self.module, self.name, self.store = module, name, store
@@ -151,6 +172,8 @@ class ModuleWgradQueue:
         self._outside_b: dict = {}  # .grad of the held parameters from before the B pass now running
         self._first_of_b = 0  # puts when the B pass now running began
         self._b_grads: dict[int, dict] = {}  # first entry of a B pass -> that pass's bias gradients
+        self._pass_ends: deque = deque()  # one past the last entry of each B pass whose W has not finished
+        self._summed: dict = {}  # the gradients backward_dw gave so far for the entries of the oldest such pass
 
     # TE's contract (what its modules call)
     def delay_wgrad_compute(self) -> bool:
@@ -205,8 +228,10 @@ class ModuleWgradQueue:
         produced = {p: p.grad for p in self.held if p.grad is not None and id(p) in self._biases}
         for p in self.held:
             p.grad = self._outside_b.pop(p)
-        if self.puts > self._first_of_b and produced:
-            self._b_grads[self._first_of_b] = produced
+        if self.puts > self._first_of_b:
+            self._pass_ends.append(self.puts)
+            if produced:
+                self._b_grads[self._first_of_b] = produced
         else:  # no W entry will come for them: accumulate as B would have
             for p, grad in produced.items():
                 _accumulate(p, grad)
@@ -235,7 +260,12 @@ class ModuleWgradQueue:
         for p in self.held:
             new, p.grad = p.grad, kept[p]
             if new is not None:
-                _accumulate(p, new)
+                self._summed[p] = new if p not in self._summed else self._summed[p] + new
+        if self._pass_ends and self.pops >= self._pass_ends[0]:
+            self._pass_ends.popleft()
+            for p, grad in self._summed.items():
+                _accumulate(p, grad)
+            self._summed.clear()
 
 
 def _accumulate(param, grad) -> None:
@@ -272,8 +302,10 @@ def split_modules(module: torch.nn.Module, store, kinds: tuple, check_version: b
     patches, queues = PatchSet(f"te_wgrad ({store.name})"), []
     if check_version:
         _check_version(module, kinds)
+    layers = splittable_layers(module, kinds)
+    _check_untied(module, layers)
     try:
-        for name, layer, kind, held in splittable_layers(module, kinds):
+        for name, layer, kind, held in layers:
             _check_switchable(layer, name, store)
             queue = ModuleWgradQueue(layer, name or type(layer).__name__, store, kind.backward_dw, held)
             patches.replace(layer, "wgrad_store", queue)
@@ -299,7 +331,7 @@ def splittable_layers(module: torch.nn.Module, kinds: tuple) -> list:
             continue
         held = [(n, p) for n, p in layer.named_parameters(recurse=False)
                 if p.requires_grad and not n.startswith("layer_norm")]
-        # TE's DistributedWeight protocol (2.19; megatron's --tensor-parallel-num-weight-shards): TE finalizes
+        # TE's DistributedWeight protocol (2.19+; megatron's --tensor-parallel-num-weight-shards): TE finalizes
         # (reduce-scatters) such a weight's gradient only when it computes it in backward, never in backward_dw
         if held and not any(getattr(p, "is_distributed_weight", False) for _, p in held):
             found.append((name, layer, kind, held))
@@ -335,10 +367,38 @@ def _check_switchable(layer, name: str, store) -> None:
     if isinstance(current, ModuleWgradQueue):
         raise PatchError(f"{name} is already split into WeightGradStore {current.store.name!r}; a layer can belong "
                          f"to one model chunk only")
-    if any(getattr(layer, flag, False) for flag in ("ub_bulk_wgrad", "ub_overlap_rs_dgrad", "ub_overlap_ag",
-                                                     "ub_overlap_rs", "ub_bulk_dgrad")):
-        raise PatchError(f"{name}: Transformer Engine does not defer weight gradients with Userbuffers "
-                         f"(--tp-comm-overlap); drop --tp-comm-overlap")
+    _check_no_userbuffers(layer, name)
+
+
+def userbuffers_options(layer) -> list[str]:
+    """The Userbuffers options set on a TE module (its `ub_overlap_*` and `ub_bulk_*` attributes that are True)."""
+    return sorted(option for option, value in vars(layer).items()
+                  if option.startswith(("ub_overlap_", "ub_bulk_")) and value is True)
+
+
+def _check_no_userbuffers(layer, name: str) -> None:
+    options = userbuffers_options(layer)
+    if options:
+        option = next((o for o in options if o in USERBUFFERS_IN_W), options[0])
+        why = USERBUFFERS_IN_W.get(option, "the split has never run with Userbuffers")
+        raise PatchError(f"{name}: Transformer Engine's Userbuffers option {option} does not work with a schedule that "
+                         f"splits the backward ({why}); build {name} without Userbuffers options (megatron: drop "
+                         f"--tp-comm-overlap), or use a schedule that does not split it (--pipeline-schedule 1f1b)")
+
+
+def _check_untied(module: torch.nn.Module, layers: list) -> None:
+    """Refuse a parameter that a split TE module holds and another module shares (see the module docstring)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for _, _, _, held in layers:
+        for _, param in held:
+            shared = names.get(id(param), [])
+            if len(shared) > 1:
+                raise PatchError(f"{shared[0]} and {shared[1]} are one parameter (tied), and a schedule that splits "
+                                 f"the backward sets a B pass's gradient of a Transformer Engine module's parameters "
+                                 f"aside, which would drop the other use's; untie them, or use a schedule that does "
+                                 f"not split the backward (--pipeline-schedule 1f1b)")
 
 
 _MISSING = object()

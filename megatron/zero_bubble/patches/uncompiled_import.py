@@ -5,8 +5,8 @@ megatron's modules are first imported, and megatron's own switch (`megatron.core
 megatron-core 0.19.2 decorates some forty functions with `torch.compile` at import (`megatron.core.jit.jit_fuser`,
 and the MoE router's `_apply_expert_bias` directly). None of them runs compiled on CPU: the CPU defaults switch
 megatron's fusions off and cpu_backend_moe runs the router's method plain, for the compilation costs seconds per
-process and Inductor's C++ build needs a compiler. Each decoration still imports TorchDynamo and Inductor: a third
-of a rank's start-up (3.05 -> 2.08 CPU-s for the imports of pretrain_gpt.py, measured on the 2-core machine).
+process and Inductor's C++ build needs a compiler. Each decoration still imports TorchDynamo and Inductor into every
+rank, which is what passing the functions through saves.
 
     with uncompiled_import():        # CPU only (prepare_process decides)
         import megatron.training     # and whatever it imports

@@ -272,7 +272,7 @@ class _ModelledValidation:
         return None
 
 
-SPIN_S = 3e-4  # sleep overshoots by about 0.2 ms here: sleep to this much before the deadline, then spin
+SPIN_S = 3e-4  # sleep can overshoot its deadline: sleep to this much before it, then spin
 
 
 def _sleep_until(deadline: float) -> None:

@@ -311,6 +311,9 @@ _NOT_WITH_THE_RUNTIME = {
     "use_torch_fsdp2": "the runtime accumulates deferred weight gradients into megatron DDP's buffers",
     "overlap_moe_expert_parallel_comm": "it is megatron's own combined-1F1B schedule (one microbatch's expert "
                                         "all-to-all overlapped with another's compute), which the runtime replaces",
+    "moe_paged_stash": "megatron's own schedules switch the stash on at each iteration and reload the experts' "
+                       "activations in the pass order they recorded in the first; the runtime replaces those "
+                       "schedules (the stash would stay off) and re-plans that order",
 }
 
 

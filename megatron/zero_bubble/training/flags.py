@@ -44,8 +44,6 @@ UNSUPPORTED_FLAGS = {
 
 
 # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile, seconds per
-# process for no gain at CPU sizes; the masked-softmax kernel for fp16/bf16 is CUDA-only).
-# megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile, seconds per
 # process for no gain at CPU sizes; masked softmax's fp16/bf16 kernel is CUDA-only; apply_rope_fusion is Transformer
 # Engine's RoPE kernel, megatron's --no-rope-fusion)
 CPU_DEFAULTS = dict(distributed_backend="gloo", gradient_accumulation_fusion=False, no_persist_layer_norm=True,

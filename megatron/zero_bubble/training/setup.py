@@ -31,8 +31,7 @@ def prepare_process() -> None:
     import torch
 
     # What is imported so far (torch, this package) lives as long as the process: frozen, it is not walked again by
-    # the collections megatron's import sets off (a rank's imports 2.11 -> 1.82 CPU-s, measured on the 2-core
-    # machine); teardown.run_to_end freezes megatron's part too.
+    # the collections megatron's import sets off; teardown.run_to_end freezes megatron's part too.
     gc.freeze()
     from ..patches import imports, prebuilt_helpers
     from ..patches.uncompiled_import import uncompiled_import
@@ -124,7 +123,8 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
         yield None
         return
     settings = plan_settings(args, options)
-    from ..patches import te_wgrad  # here, not at the top: the entry script imports this module before its early checks
+    # here, not at the top: the entry script imports this module before its early checks
+    from ..patches import PatchError, te_wgrad
     from ..runtime.split_check import SplitCheckFailed
 
     split_backward = options.schedule in SPLIT_BACKWARD_SCHEDULES
@@ -143,3 +143,5 @@ def zero_bubble_session(args, options: ZeroBubbleOptions | None):
             yield session.pipeline
         except SplitCheckFailed as failed:  # every rank reached the same verdict: one line, exit status 2
             arguments.refuse(str(failed))
+        except PatchError as refused:  # a layer the split cannot take over (te_wgrad's per-module refusals): one line
+            arguments.refuse(str(refused))

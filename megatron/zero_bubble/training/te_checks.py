@@ -24,8 +24,9 @@ def check_transformer_engine_split(args, flag: str) -> None:
                              f"{te_wgrad.VERSIONS_READ} or use --transformer-impl local")
     _check_precision(args, flag)
     if getattr(args, "tp_comm_overlap", False):
-        raise StartupRefusal(f"--tp-comm-overlap does not work with {flag} on Transformer Engine layers (TE does not "
-                             f"defer weight gradients with its Userbuffers overlap); drop --tp-comm-overlap")
+        raise StartupRefusal(f"--tp-comm-overlap does not work with {flag} on Transformer Engine layers (with TE's "
+                             f"Userbuffers overlap a deferred W would read buffers that later passes overwrite); drop "
+                             f"--tp-comm-overlap")
     if getattr(args, "cuda_graph_impl", "none") not in ("none", None):
         raise StartupRefusal(f"--cuda-graph-impl {args.cuda_graph_impl} does not work with {flag} (a captured backward "
                              f"would replay one pass's choice of deferring the weight gradients); drop --cuda-graph-impl")

@@ -34,10 +34,9 @@ def run_to_end(main) -> None:
     --exit-duration-in-mins included), every process group destroyed before the interpreter ends. A run that failed
     ends as before: destroying a group could wait for a peer that is gone.
 
-    What the entry script imported (torch, megatron: some 400,000 objects) lives as long as the process, so it is
-    frozen first (gc.freeze): no collection walks it again, neither megatron's full ones during training nor the
-    interpreter's at its end. Measured on CPU: a rank's full collection 0.25 s -> 0.01 s, and its run about 1.7 s of
-    CPU shorter, one second of it at exit. What `main` makes is collected as before."""
+    What the entry script imported (torch, megatron: hundreds of thousands of objects) lives as long as the process,
+    so it is frozen first (gc.freeze): no collection walks it again, neither megatron's full ones during training nor
+    the interpreter's at its end. What `main` makes is collected as before."""
     gc.freeze()
     try:
         main()
