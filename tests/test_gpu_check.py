@@ -79,6 +79,16 @@ def test_the_table_holds_only_when_every_verdict_of_a_part_holds():
     assert table.splitlines()[0] == "versions: torch 2.13.0" and "| a | model | differs | NO |" in table
 
 
+def test_the_model_suits_two_chunks_per_rank_at_every_pipeline_size():
+    """zb-auto-2chunks: 2p virtual stages need the layers to divide by them, interleaving needs m a multiple of p."""
+    assert any(name == "zb-auto-2chunks" and "--num-virtual-stages-per-pipeline-rank" in flags
+               for name, flags in gpu_check.SCHEDULES)
+    for gpus in range(2, 9):
+        sizes = gpu_check.Sizes(gpus, iterations=3)
+        assert sizes.layers % (2 * gpus) == 0
+        assert (sizes.global_batch // sizes.micro_batch) % gpus == 0
+
+
 @pytest.fixture(scope="module")
 def cpu_check(tmp_path_factory):
     """The whole check on CPU, once for the module's tests."""
@@ -103,10 +113,13 @@ def test_every_part_runs_on_cpu_and_the_check_holds(cpu_check):
 @pytest.mark.slow
 def test_the_one_gpu_mode_is_rehearsed_on_cpu_against_a_single_rank_run(tmp_path):
     """The one-GPU mode's launches (two pipeline ranks against megatron on one rank, untied embeddings) on CPU: what
-    a lent GPU runs, minus the card."""
-    done = _script("--cpu", "--one-gpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-v", "--out",
-                   str(tmp_path), timeout=600)
+    a lent GPU runs, minus the card; zb-auto over two chunks per rank and ZB-V, the two with 2p virtual stages."""
+    done = _script("--cpu", "--one-gpu", "--iterations", "3", "--reps", "1", "--schedules", "zb-auto-2chunks,zb-v",
+                   "--out", str(tmp_path), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| b | ")]
-    assert rows == ["| b | zb-v, PP=2, vs megatron on one rank (PP=1) | identical losses at all 3 iterations | yes |"]
+    assert rows == [f"| b | {name}, PP=2, vs megatron on one rank (PP=1) | identical losses at all 3 iterations | yes |"
+                    for name in ("zb-auto-2chunks", "zb-v")]
     assert "--untie-embeddings-and-output-weights" in (tmp_path / "pretrain-pp1.log").read_text().splitlines()[0]
+    two_chunks = (tmp_path / "pretrain-zb-auto-2chunks.log").read_text()
+    assert "Number of virtual stages per pipeline stage: 2" in two_chunks  # megatron built two chunks per rank

@@ -4,12 +4,12 @@ It reports the versions it found (torch, CUDA, NCCL, megatron-core, Transformer 
 (a) the split into B and W gives megatron's gradients bit for bit: one GPT layer of each of the paper's shapes, local
     and Transformer Engine layers (benchmarks/split_layer.py), and the start-up split check of every zero-bubble run
     of (b) on the whole model;
-(b) zb-h1, zb-auto and zb-v against a reference: the same loss at every iteration (pretrain_gpt.py under torchrun, a
-    small GPT, `--iterations` iterations, deterministic kernels, clipping off). With two GPUs or more: PP = every
-    GPU, against megatron's 1F1B. With one (or `--one-gpu`): two pipeline ranks share the GPU
-    (--zero-bubble-share-gpus: compute, the split, the stores, the optimizer and memory on CUDA, messages over gloo
-    through host memory), against megatron on one rank of the same GPU (PP=1; untied embeddings, whose gradient
-    PP=1 sums in another order);
+(b) zb-h1, zb-auto (one and two chunks per rank) and zb-v against a reference: the same loss at every iteration
+    (pretrain_gpt.py under torchrun, a small GPT, `--iterations` iterations, deterministic kernels, clipping off).
+    With two GPUs or more: PP = every GPU, against megatron's 1F1B. With one (or `--one-gpu`): two pipeline ranks
+    share the GPU (--zero-bubble-share-gpus: compute, the split, the stores, the optimizer and memory on CUDA,
+    messages over gloo through host memory), against megatron on one rank of the same GPU (PP=1; untied embeddings,
+    whose gradient PP=1 sums in another order);
 (c) the split's overhead (T_B + T_W) / T_BW on the paper's 1.5B / 6.2B / 14.6B / 28.3B layer shapes, fused and split
     interleaved, min / median / max;
 (d) the executor's own time per pass with CUDA compute: the median gap before a W pass (which waits for no message)
@@ -43,7 +43,9 @@ from .local_ranks import TORCHRUN_ONE_MACHINE
 ROOT = Path(__file__).resolve().parents[3]
 EXIT_NO_CUDA = 2
 SCHEDULES = (("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
+             ("zb-auto-2chunks", ["--enable-zero-bubble", "--num-virtual-stages-per-pipeline-rank", "2"]),
              ("zb-v", ["--zero-bubble-v-schedule"]))
+ILP_SCHEDULES = ("zb-auto", "zb-auto-2chunks")  # the others have no ILP and refuse --zero-bubble-ilp-time-limit
 ONE_GPU_RANKS = 2  # pipeline ranks sharing the GPU in the one-GPU mode
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
@@ -67,11 +69,11 @@ class Sizes:
 
     @property
     def layers(self) -> int:
-        return 4 * self.gpus  # a multiple of 2p (ZB-V), two per virtual stage
+        return 4 * self.gpus  # a multiple of 2p (ZB-V, 2 chunks per rank), two per virtual stage
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * 4 * self.gpus  # m = 4p microbatches
+        return self.micro_batch * 4 * self.gpus  # m = 4p microbatches: a multiple of p, as interleaving needs
 
     @property
     def reference(self) -> str:
@@ -200,11 +202,11 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
     start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
     end = start + max(1, min(3, sizes.iterations - start - 1))
     timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end)]
-    ilp = {"zb-auto": ["--zero-bubble-ilp-time-limit", "5"]}  # the other schedules have no ILP and refuse the flag
+    ilp = ["--zero-bubble-ilp-time-limit", "5"]
     launches = {sizes.reference: (1, model) if sizes.shared else (sizes.gpus, model + pipeline)}
     for name, flags in SCHEDULES:
         if name in schedules:
-            launches[name] = (sizes.gpus, model + pipeline + flags + timers + ilp.get(name, []) +
+            launches[name] = (sizes.gpus, model + pipeline + flags + timers + (ilp if name in ILP_SCHEDULES else []) +
                               ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")])
 
     def launch(name: str) -> subprocess.CompletedProcess:
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"{ONE_GPU_RANKS} pipeline ranks share one GPU, against PP=1 (the default with one GPU)")
     parser.add_argument("--iterations", type=int, default=20, help="iterations of (b) (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of (c) (default %(default)s)")
-    parser.add_argument("--schedules", default="zb-h1,zb-auto,zb-v",
+    parser.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
                         help="zero-bubble schedules compared with the reference in (b) (default %(default)s)")
     parser.add_argument("--jobs", type=int, default=1, help="launches of (b) at a time (default %(default)s)")
     parser.add_argument("--out", default=None, help="directory for the logs (default: a new temporary one)")
