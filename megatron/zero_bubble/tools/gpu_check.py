@@ -326,7 +326,7 @@ def check_launch_queue(report: Report, results: dict[int, dict | None]) -> None:
             what += f", on a {launch_queue.STAND_IN_LABEL}"
         waits = launch_queue.waited(result)
         report.add("f", what, f"B's launch to its end {_spread_text(launch_queue.launch_to_end_ms(result), 3)} ms "
-                   f"(its own start event to end {_spread_text(result['b_ms'], 3)} ms; A's sleep and kernel "
+                   f"(its own start to end {_spread_text(result['b_ms'], 3)} ms; A's sleep and kernel "
                    f"{_spread_text(result['a_ms'])} ms): B waited behind A's second kernel in {sum(waits)} of "
                    f"{len(waits)}", None)
     report.add("f", "finding: does a kernel that cannot start hold back launches on other streams?",
@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_CUDA
     out = Path(args.out or tempfile.mkdtemp(prefix="zb_gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
+    queue_results = launch_queue_runs(out, args.cpu)  # (f) first: on an idle GPU, its logs written before (b) starts
     report = Report(versions())
     te_refused = transformer_engine_refusal(report.versions["transformer-engine"])
     te = not args.cpu and te_refused is None
@@ -411,7 +412,6 @@ def main(argv: list[str] | None = None) -> int:
     check_losses(report, runs, sizes)
     check_executor(report, out, next((name for name in runs if name != sizes.reference), None))
     check_memory(report, runs, out, args.cpu)
-    queue_results = launch_queue_runs(out, args.cpu)
     check_launch_queue(report, queue_results)
     print(report.table())
     print(f"logs: {out}")
