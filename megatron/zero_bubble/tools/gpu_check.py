@@ -1,26 +1,31 @@
 """One command for a GPU node (`bash scripts/gpu_check.sh`): does zero bubble work here, and how well?
 
-It reports the versions it found (torch, CUDA, NCCL, megatron-core, Transformer Engine, apex) and five checks:
+It reports the versions it found (torch, CUDA, NCCL, megatron-core, Transformer Engine, apex) and six parts:
 (a) the split into B and W gives megatron's gradients bit for bit: one GPT layer of each of the paper's shapes, local
     and Transformer Engine layers (benchmarks/split_layer.py), and the start-up split check of every zero-bubble run
     of (b) on the whole model;
-(b) zb-h1, zb-auto and zb-v against a reference: the same loss at every iteration (pretrain_gpt.py under torchrun, a
-    small GPT, `--iterations` iterations, deterministic kernels, clipping off). With two GPUs or more: PP = every
-    GPU, against megatron's 1F1B. With one (or `--one-gpu`): two pipeline ranks share the GPU
-    (--zero-bubble-share-gpus: compute, the split, the stores, the optimizer and memory on CUDA, messages over gloo
-    through host memory), against megatron on one rank of the same GPU (PP=1; untied embeddings, whose gradient
-    PP=1 sums in another order);
+(b) zb-h1, zb-auto (one and two chunks per rank) and zb-v against a reference: the same loss at every iteration
+    (pretrain_gpt.py under torchrun, a small GPT, `--iterations` iterations, deterministic kernels, clipping off).
+    With two GPUs or more: PP = every GPU, against megatron's 1F1B. With one (or `--one-gpu`): two pipeline ranks
+    share the GPU (--zero-bubble-share-gpus: compute, the split, the stores, the optimizer and memory on CUDA,
+    messages over gloo through host memory), against megatron on one rank of the same GPU (PP=1; untied embeddings,
+    whose gradient PP=1 sums in another order);
 (c) the split's overhead (T_B + T_W) / T_BW on the paper's 1.5B / 6.2B / 14.6B / 28.3B layer shapes, fused and split
     interleaved, min / median / max;
 (d) the executor's own time per pass with CUDA compute: the median gap before a W pass (which waits for no message)
     in the measured timeline of the zb-h1 run;
 (e) each rank's peak activation memory (max allocated minus allocated after the iteration, from megatron's memory
-    report) against the planner's predicted peak for the zb-auto run.
+    report) against the planner's predicted peak for the zb-auto run;
+(f) the launch queue: with CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron's setting with TP > 1 before Blackwell) and 32, in a
+    fresh process each, does a short kernel on one stream wait behind a kernel that cannot start yet on another
+    (tools/launch_queue.py)? A fact about the GPU and its driver: reported, never part of the exit status; a result
+    against the rule is said in a line of its own.
 Exit status 0 only when (a) and (b) hold. It prints a table to paste into a bug report and keeps every log in `--out`.
 `--jobs N` runs N launches of (b) at a time (they share the GPUs: then (d) and (e) are measured beside the others).
 
 Without CUDA it says so in one line and exits 2; `--cpu` runs every part on CPU with tiny sizes and gloo (for the
-tests of this tool: (c) and (e) mean nothing there); `--cpu --one-gpu` rehearses the one-GPU mode.
+tests of this tool: (c) and (e) mean nothing there, and (f) runs a labelled stand-in that measures nothing);
+`--cpu --one-gpu` rehearses the one-GPU mode.
 """
 from __future__ import annotations
 
@@ -38,13 +43,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import launch_queue
 from .local_ranks import TORCHRUN_ONE_MACHINE
 
 ROOT = Path(__file__).resolve().parents[3]
 EXIT_NO_CUDA = 2
 SCHEDULES = (("zb-h1", ["--pipeline-schedule", "zb-h1"]), ("zb-auto", ["--enable-zero-bubble"]),
+             ("zb-auto-2chunks", ["--enable-zero-bubble", "--num-virtual-stages-per-pipeline-rank", "2"]),
              ("zb-v", ["--zero-bubble-v-schedule"]))
+ILP_SCHEDULES = ("zb-auto", "zb-auto-2chunks")  # the others have no ILP and refuse --zero-bubble-ilp-time-limit
 ONE_GPU_RANKS = 2  # pipeline ranks sharing the GPU in the one-GPU mode
+LAUNCH_QUEUE_CONNECTIONS = (1, 32)  # megatron's setting with TP > 1 before Blackwell, and CUDA's most
+LAUNCH_QUEUE_REPS = 10
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
 MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
                     r"max allocated: ([0-9.]+)")
@@ -67,11 +77,11 @@ class Sizes:
 
     @property
     def layers(self) -> int:
-        return 4 * self.gpus  # a multiple of 2p (ZB-V), two per virtual stage
+        return 4 * self.gpus  # a multiple of 2p (ZB-V, 2 chunks per rank), two per virtual stage
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * 4 * self.gpus  # m = 4p microbatches
+        return self.micro_batch * 4 * self.gpus  # m = 4p microbatches: a multiple of p, as interleaving needs
 
     @property
     def reference(self) -> str:
@@ -200,11 +210,11 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
     start = min(5, sizes.iterations // 2)  # profiled after a warm-up, re-planned (and the timeline dumped) before the end
     end = start + max(1, min(3, sizes.iterations - start - 1))
     timers = ["--zero-bubble-pipeline-timers-start-iter", str(start), "--zero-bubble-pipeline-timers-end-iter", str(end)]
-    ilp = {"zb-auto": ["--zero-bubble-ilp-time-limit", "5"]}  # the other schedules have no ILP and refuse the flag
+    ilp = ["--zero-bubble-ilp-time-limit", "5"]
     launches = {sizes.reference: (1, model) if sizes.shared else (sizes.gpus, model + pipeline)}
     for name, flags in SCHEDULES:
         if name in schedules:
-            launches[name] = (sizes.gpus, model + pipeline + flags + timers + ilp.get(name, []) +
+            launches[name] = (sizes.gpus, model + pipeline + flags + timers + (ilp if name in ILP_SCHEDULES else []) +
                               ["--zero-bubble-dump-schedule", str(out / f"dump-{name}")])
 
     def launch(name: str) -> subprocess.CompletedProcess:
@@ -225,6 +235,19 @@ def split_layer_run(out: Path, cpu: bool, te: bool, reps: int) -> list[dict]:
                "--json", str(results)]
     _run(command, out / "split_layer.log", _env(cpu))
     return json.loads(results.read_text()) if results.exists() else []
+
+
+def launch_queue_runs(out: Path, cpu: bool) -> dict[int, dict | None]:
+    """(f): tools/launch_queue.py in a fresh process per CUDA_DEVICE_MAX_CONNECTIONS setting (CUDA reads it when it
+    initialises), on CPU its labelled stand-in; {connections: the child's result, None when it printed none}."""
+    results = {}
+    for connections in LAUNCH_QUEUE_CONNECTIONS:
+        env = dict(_env(cpu), **{launch_queue.CONNECTIONS_VARIABLE: str(connections)})
+        command = [sys.executable, "-m", "megatron.zero_bubble.tools.launch_queue", "--reps", str(LAUNCH_QUEUE_REPS)]
+        done = _run(command + (["--cpu-stand-in"] if cpu else []), out / f"launch-queue-{connections}.log", env,
+                    timeout=300)
+        results[connections] = launch_queue.read_result(done.stdout) if done.returncode == 0 else None
+    return results
 
 
 # -- the checks --------------------------------------------------------------------------------------------
@@ -290,10 +313,66 @@ def check_memory(report: Report, runs: dict, out: Path, cpu: bool) -> None:
         report.add("e", "zb-auto peak activation memory", "no memory report in the log", None)
 
 
-def _spread_text(values: list[float]) -> str:
+def check_launch_queue(report: Report, results: dict[int, dict | None]) -> None:
+    """(f): one row per CUDA_DEVICE_MAX_CONNECTIONS setting and one with the finding; reported, not judged (a fact
+    about the GPU and its driver, not about this package)."""
+    for connections, result in results.items():
+        what = (f"launch queue, {launch_queue.CONNECTIONS_VARIABLE}={connections}: a short kernel on stream B "
+                "launched after a sleep and a second kernel on stream A")
+        if result is None:
+            report.add("f", what, f"did not run (see launch-queue-{connections}.log)", None)
+            continue
+        if result["stand_in"]:
+            what += f", on a {launch_queue.STAND_IN_LABEL}"
+        waits = launch_queue.waited(result)
+        report.add("f", what, f"B's launch to its end {_spread_text(launch_queue.launch_to_end_ms(result), 3)} ms "
+                   f"(its own start to end {_spread_text(result['b_ms'], 3)} ms; A's sleep and kernel "
+                   f"{_spread_text(result['a_ms'])} ms): B waited behind A's second kernel in {sum(waits)} of "
+                   f"{len(waits)}", None)
+    report.add("f", "finding: does a kernel that cannot start hold back launches on other streams?",
+               launch_queue_finding(results), None)
+
+
+def launch_queue_finding(results: dict[int, dict | None]) -> str:
+    """What (f) found, in words: the expected wait with one connection and none with 32, or what differs."""
+    one, many = (results.get(connections) for connections in LAUNCH_QUEUE_CONNECTIONS)
+    if one is None or many is None:
+        return "not measured: a child process printed no result"
+    unseen = [(c, r["connections"]) for c, r in results.items() if r["connections"] != str(c)]
+    if unseen:
+        asked, saw = unseen[0]
+        return f"not measured: the child for {asked} connections saw {launch_queue.CONNECTIONS_VARIABLE}={saw}"
+    if one["stand_in"]:
+        return ("not measured: needs CUDA (the CPU stand-in ran the child processes and the reading of their results; "
+                "threads have no launch queue)")
+    if launch_queue_contradicts(results):
+        return (f"CONTRADICTS the launch-queue rule (docs/gpu-check.md, part (f)): with {LAUNCH_QUEUE_CONNECTIONS[0]} "
+                "connection B did not wait behind A's second kernel; either this driver does not honour the variable "
+                "or the rule does not hold on this GPU")
+    also = (f"; with {LAUNCH_QUEUE_CONNECTIONS[1]} it waited too (A and B landed in one queue: more connections make "
+            "the blocking intermittent, not gone)" if _mostly(launch_queue.waited(many))
+            else f", with {LAUNCH_QUEUE_CONNECTIONS[1]} it did not")
+    return (f"with {LAUNCH_QUEUE_CONNECTIONS[0]} connection B waited behind A's second kernel{also}: under megatron's "
+            f"{launch_queue.CONNECTIONS_VARIABLE}=1 (asserted with TP > 1 before Blackwell) a kernel that cannot start "
+            "holds back every later launch on every stream")
+
+
+def launch_queue_contradicts(results: dict[int, dict | None]) -> bool:
+    """Did a GPU measurement find no wait with one connection, against the rule megatron's setting rests on?"""
+    one = results.get(LAUNCH_QUEUE_CONNECTIONS[0])
+    return bool(one) and not one["stand_in"] and one["connections"] == str(LAUNCH_QUEUE_CONNECTIONS[0]) and not \
+        _mostly(launch_queue.waited(one))
+
+
+def _mostly(flags: list[bool]) -> bool:
+    return sum(flags) > len(flags) / 2
+
+
+def _spread_text(values: list[float], digits: int = 1) -> str:
+    """min / median / max."""
     if not values:
         return "-"
-    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+    return " / ".join(f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"{ONE_GPU_RANKS} pipeline ranks share one GPU, against PP=1 (the default with one GPU)")
     parser.add_argument("--iterations", type=int, default=20, help="iterations of (b) (default %(default)s)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of (c) (default %(default)s)")
-    parser.add_argument("--schedules", default="zb-h1,zb-auto,zb-v",
+    parser.add_argument("--schedules", default=",".join(name for name, _ in SCHEDULES),
                         help="zero-bubble schedules compared with the reference in (b) (default %(default)s)")
     parser.add_argument("--jobs", type=int, default=1, help="launches of (b) at a time (default %(default)s)")
     parser.add_argument("--out", default=None, help="directory for the logs (default: a new temporary one)")
@@ -317,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NO_CUDA
     out = Path(args.out or tempfile.mkdtemp(prefix="zb_gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
+    queue_results = launch_queue_runs(out, args.cpu)  # (f) first: on an idle GPU, its logs written before (b) starts
     report = Report(versions())
     te_refused = transformer_engine_refusal(report.versions["transformer-engine"])
     te = not args.cpu and te_refused is None
@@ -332,8 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     check_losses(report, runs, sizes)
     check_executor(report, out, next((name for name in runs if name != sizes.reference), None))
     check_memory(report, runs, out, args.cpu)
+    check_launch_queue(report, queue_results)
     print(report.table())
     print(f"logs: {out}")
+    if launch_queue_contradicts(queue_results):  # a fact about this GPU, not a failure of this package: no exit status
+        print("gpu_check: (f) contradicts the launch-queue rule (one connection, and B did not wait): see its rows")
     ok = report.holds("a") and report.holds("b")
     print(f"gpu_check: {'(a) and (b) hold' if ok else 'FAILED: see the rows marked NO'}")
     return 0 if ok else 1
