@@ -2,7 +2,7 @@
 
 megatron DDP reduces its buckets inside `torch.distributed._coalescing_manager`, which hands gloo one
 `allreduce_coalesced`; gloo refuses it for CUDA tensors ("ProcessGroupGloo::allreduce_coalesced: unsupported device
-type cuda", seen on an H100 with torch 2.11), though it reduces CUDA tensors one collective at a time. While this
+type cuda"), though it reduces CUDA tensors one collective at a time. While this
 patch is installed, param_and_grad_buffer's manager issues each collective on its own (the same reductions, in the
 same order). Synchronous reductions only: the shared mode refuses --overlap-grad-reduce, whose asynchronous
 collectives the manager would have to collect.

@@ -3,7 +3,7 @@
 `megatron.training.initialize._compile_dependencies` runs `make` in megatron/core/datasets on global rank 0 and
 exits the run when it fails. The megatron-core wheel (and the sdist build) install the compiled `helpers_cpp` but no
 Makefile, so every run from a pip install stops before its first iteration with "Failed to compile the C++ dataset
-helper functions" (seen on an H100 with megatron-core 0.19.2's py3.12 wheel). Where `helpers_cpp` is installed the
+helper functions" (megatron-core 0.19.2's py3.12 wheel among them). Where `helpers_cpp` is installed the
 compile is skipped; elsewhere (a source checkout, which has the Makefile) megatron's own step runs. Either way every
 rank then meets megatron's barrier, so the ranks issue the same collectives whatever each found.
 """

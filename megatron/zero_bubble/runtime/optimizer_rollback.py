@@ -245,7 +245,7 @@ def _invert_torch_sgd(group: dict, p: torch.Tensor, state: dict, had_buffer: boo
 
 def _invert_fused_adam(group: dict, p: torch.Tensor, state: dict, had_state: bool) -> None:
     """Inverse of apex / Transformer Engine FusedAdam in adam_w_mode, by the documented update rule,
-    untested here (no apex/TE on this machine): per-group 'step'; m = b1*m + (1-b1)*g;
+    not tested (the tests run without apex or TE): per-group 'step'; m = b1*m + (1-b1)*g;
     v = b2*v + (1-b2)*g*g; update = (m/bc1) / (sqrt(v/bc2) + eps) + wd*p; p -= lr*update.
     The kernel's fp32 rounding (and FMA contraction) cannot be reproduced with torch ops, so this is
     accurate to a few ulps, not to the bit."""

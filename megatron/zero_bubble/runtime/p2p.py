@@ -40,7 +40,7 @@ def current_device() -> torch.device:
 
 def wire_device(group, device: torch.device) -> torch.device:
     """Where a message travels from: gloo moves host memory only (its send of a CUDA tensor fails with "writev ...
-    Bad address", seen on an H100 with torch 2.11), so CUDA tensors on a gloo group (ranks sharing a GPU,
+    Bad address"), so CUDA tensors on a gloo group (ranks sharing a GPU,
     --zero-bubble-share-gpus) go through host copies; NCCL, and gloo on CPU, send where the tensor lives."""
     if device.type == "cuda" and dist.get_backend(group) == dist.Backend.GLOO:
         return torch.device("cpu")

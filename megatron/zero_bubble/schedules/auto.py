@@ -32,7 +32,7 @@ from .simulate import simulate
 __all__ = ["Plan", "Problem", "Rule", "best_heuristic", "default_memory_limit", "greedy",
            "interleaved_memory_limit", "span_lower_bound", "to_schedule", "zb_auto"]
 
-# Passes the heuristic may simulate in all (about half a second of CPU): p=32, m=256 gets 16 runs.
+# Passes the heuristic may simulate in all, which bounds its planning time: p=32, m=256 gets 16 runs.
 PASS_BUDGET = 400_000
 
 
