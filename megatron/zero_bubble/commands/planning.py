@@ -41,8 +41,9 @@ def cmd_export(args) -> None:
     )
     if args.program:
         programs = lower(schedule, costs, timeline)  # what the runtime runs, replayed on the model of NCCL and CUDA
-        streams = simulate_program(schedule, programs, costs)
-        schedule.info["predicted"].update(bubble_rate_on_streams=streams.bubble_rate, makespan_on_streams=streams.makespan)
+        on_model = simulate_program(schedule, programs, costs)
+        schedule.info["predicted"].update(bubble_rate_on_the_model=on_model.bubble_rate,
+                                          makespan_on_the_model=on_model.makespan)
         schedule.info["transport"] = TRANSPORT
         schedule.info["programs"] = program_json(schedule, programs)
     text = schedule.to_json(indent=1) + "\n"
@@ -55,9 +56,9 @@ def cmd_export(args) -> None:
 def cmd_simulate(args) -> None:
     schedule, costs, timeline = schedule_and_timeline(args)
     print(simulation_report(timeline))
-    streams = simulate_program(schedule, lower(schedule, costs, timeline), costs)
+    on_model = simulate_program(schedule, lower(schedule, costs, timeline), costs)
     print(f"with the runtime's batches of sends and receives on the model of NCCL and CUDA (T_comm each): makespan "
-          f"{streams.makespan:.6g} {costs.time_unit}, bubble rate {streams.bubble_rate:.4f} (paper's measure)")
+          f"{on_model.makespan:.6g} {costs.time_unit}, bubble rate {on_model.bubble_rate:.4f} (paper's measure)")
     if args.trace:
         unit_ms = TIME_UNITS[timeline.costs.time_unit] / TIME_UNITS["ms"]
         write_trace(chrome_trace(timeline_rows(timeline, unit_ms), source="simulated",

@@ -70,13 +70,20 @@ def replay(schedule: Schedule, programs: list[list[Action]], costs: Costs | None
 
 
 class _Op:
-    """One send or receive (or a warm-up's exchange with one peer) of a batch, with the item it matches."""
+    """One send or receive of a batch (`post`), or a warm-up's exchange with one peer (no post), with the item of
+    the peer's that matches it."""
 
-    __slots__ = ("is_send", "peer", "partner", "what")
+    __slots__ = ("is_send", "peer", "partner", "post")
 
-    def __init__(self, is_send: bool, peer: int, what: str):
-        self.is_send, self.peer, self.what = is_send, peer, what
+    def __init__(self, is_send: bool, peer: int, post: Send | Recv | None = None):
+        self.is_send, self.peer, self.post = is_send, peer, post
         self.partner: tuple[int, int] | None = None  # (rank, item) of the matching post
+
+    @property
+    def what(self) -> str:
+        if self.post is None:
+            return f"warm-up of the link to rank {self.peer}"
+        return f"{'send' if self.is_send else 'receive'} of {self.post.msg.describe()}"
 
 
 class _Item:
@@ -118,7 +125,6 @@ class _Run:
         self.gpu_pos = [0] * self.p
         self.last_start, self.compute_end = [0.0] * self.p, [0.0] * self.p
         self.stream_tail: list[dict[str, int]] = [{} for _ in range(self.p)]  # group -> last batch started
-        self.started: list[list[int]] = [[] for _ in range(self.p)]  # without rule 6: the items started, unordered
 
     # -- set-up ---------------------------------------------------------------------------------------------------
     def _describe_rank(self, rank: int) -> None:
@@ -137,7 +143,7 @@ class _Run:
             item.after_pass = last_pass
             self.members.setdefault(item.group, set()).add(rank)
             if isinstance(action, Warmup):
-                item.ops = [_Op(False, peer, f"its warm-up of the link to rank {peer}") for peer in action.peers]
+                item.ops = [_Op(False, peer) for peer in action.peers]
             elif isinstance(action, Batch):
                 for k, post in enumerate(action.ops):
                     is_send = type(post) is Send
@@ -145,7 +151,7 @@ class _Run:
                         raise ScheduleError(f"rank {rank} posts the send of {post.msg.describe()} before computing it")
                     where[is_send, post.msg] = (i, k)
                     peer = post.msg.dst if is_send else post.msg.src
-                    item.ops.append(_Op(is_send, peer, f"{'send' if is_send else 'receive'} of {post.msg.describe()}"))
+                    item.ops.append(_Op(is_send, peer, post))
             else:
                 raise ScheduleError(f"rank {rank}'s program holds {action!r}, which is no pass, batch or warm-up")
             new_links = tuple(dict.fromkeys((item.group, op.peer) for op in item.ops if (item.group, op.peer) not in links))
@@ -359,7 +365,7 @@ class _Run:
             waits = [(j, k) for j, k in item.waits if self._done(rank, j, None) is None]
             if waits:
                 j, k = waits[0]
-                return f"rank {rank} stops at {item.action.describe()}, waiting for its {item_op(items[j], k)}" + \
+                return f"rank {rank} stops at {item.action.describe()}, waiting for its {items[j].ops[k].what}" + \
                     self._holdup(rank, j)
             return f"rank {rank} stops at {item.action.describe()}"
         tail = self.stream_tail[rank].get(item.group)
@@ -375,10 +381,6 @@ class _Run:
             if self.items[peer][j].start is None:
                 return f" ({post.what}), which rank {peer} posts in {_describe(self.items[peer][j])}, not started"
         return ""
-
-
-def item_op(item: _Item, k: int) -> str:
-    return item.ops[k].what
 
 
 def _describe(item: _Item) -> str:
