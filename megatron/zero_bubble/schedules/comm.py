@@ -23,12 +23,13 @@ their chain (see post_validation.py); a pass receives what its cross-stage depen
 from __future__ import annotations
 
 import bisect
+import functools
 from operator import itemgetter
 from typing import Iterator, NamedTuple, Union
 
 from .costs import Costs
 from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
-from .schedule import Pass, Schedule, ScheduleError
+from .schedule import Pass, Schedule, ScheduleError, stage_owner, virtual_stage
 from .simulate import Timeline, provides, requires, simulate
 
 
@@ -143,21 +144,28 @@ Link = tuple[Kind, int, int, int, int, int]
 _KIND_NUMBER = {kind: number for number, kind in enumerate(Kind)}
 
 
-def _link(schedule: Schedule, kind: Kind, src_stage: int | None, dst_stage: int | None) -> Link | None:
+def _link(layout: str, stages: int, kind: Kind, src_stage: int | None, dst_stage: int | None) -> Link | None:
     """The message between two virtual stages, if both exist and sit on different ranks (a V's turn does not)."""
     if src_stage is None or dst_stage is None:
         return None
-    src, dst = schedule.owner(src_stage)[0], schedule.owner(dst_stage)[0]
+    src, dst = stage_owner(layout, stages, src_stage)[0], stage_owner(layout, stages, dst_stage)[0]
     return None if src == dst else (kind, src_stage, dst_stage, src, dst, _KIND_NUMBER[kind])
 
 
 def _links(schedule: Schedule, rank: int, chunk: int, op) -> tuple[Link | None, Link | None]:
     """What a pass of `op` on (rank, chunk) sends and what it receives, from ops.TABLE."""
-    f, vs = facts(op), schedule.virtual_stage(rank, chunk)
-    nv, p = schedule.num_virtual_stages, schedule.stages
-    send = None if f.sends is None else _link(schedule, f.sends[0], vs, f.linked_stage(vs, f.sends[1], nv, p))
+    return _layout_links(schedule.layout, schedule.stages, schedule.chunks, rank, chunk, op)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout_links(layout: str, stages: int, chunks: int, rank: int, chunk: int, op) -> tuple[Link | None, Link | None]:
+    """_links, which depends on the layout's shape only: worked out once per shape (the runtime asks it per pass)."""
+    f, vs = facts(op), virtual_stage(layout, stages, rank, chunk)
+    nv = stages * chunks
+    send = None if f.sends is None else _link(layout, stages, f.sends[0], vs, f.linked_stage(vs, f.sends[1], nv, stages))
     receives = RECEIVES[op]
-    recv = None if receives is None else _link(schedule, receives[0], f.linked_stage(vs, receives[1], nv, p), vs)
+    recv = None if receives is None else _link(layout, stages, receives[0],
+                                               f.linked_stage(vs, receives[1], nv, stages), vs)
     return send, recv
 
 
