@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import Iterator, NamedTuple, Union
 
@@ -88,43 +89,27 @@ class Recv(_Post):
 PIPELINE_GROUP = "pipeline"  # the process group every pipeline message goes on: megatron's pipeline group
 
 
+@dataclass(frozen=True, slots=True)
 class Batch:
     """Sends and receives posted together, as one NCCL kernel (`batch_isend_irecv`) on a process group."""
 
-    __slots__ = ("ops", "group")
+    ops: tuple  # of Send and Recv, in posting order (a list given is kept as a tuple)
+    group: str = PIPELINE_GROUP
 
-    def __init__(self, ops, group: str = PIPELINE_GROUP):
-        self.ops: tuple[Send | Recv, ...] = tuple(ops)
-        self.group = group
-
-    def __eq__(self, other) -> bool:
-        return type(other) is Batch and other.ops == self.ops and other.group == self.group
-
-    def __hash__(self) -> int:
-        return hash((self.ops, self.group))
-
-    def __repr__(self) -> str:
-        return f"Batch({list(self.ops)!r}, group={self.group!r})"
+    def __post_init__(self):
+        object.__setattr__(self, "ops", tuple(self.ops))
 
 
+@dataclass(frozen=True, slots=True)
 class Warmup:
     """A first exchange with each of `peers` on a process group, all at once: made before the first iteration, so
     that no later first use of a link blocks a host (nccl_model.py, rule 5)."""
 
-    __slots__ = ("peers", "group")
+    peers: tuple  # pipeline ranks (a list given is kept as a tuple)
+    group: str = PIPELINE_GROUP
 
-    def __init__(self, peers, group: str = PIPELINE_GROUP):
-        self.peers: tuple[int, ...] = tuple(peers)
-        self.group = group
-
-    def __eq__(self, other) -> bool:
-        return type(other) is Warmup and other.peers == self.peers and other.group == self.group
-
-    def __hash__(self) -> int:
-        return hash((self.peers, self.group))
-
-    def __repr__(self) -> str:
-        return f"Warmup({list(self.peers)!r}, group={self.group!r})"
+    def __post_init__(self):
+        object.__setattr__(self, "peers", tuple(self.peers))
 
 
 Post = Union[Send, Recv]
