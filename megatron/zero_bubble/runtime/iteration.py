@@ -2,8 +2,7 @@
 
 An `Iteration` never decides order: it runs the items of the program `lower` produced and the model of NCCL
 proved (a warm-up, compute passes, and the batches of sends and receives between them), waits for each pass's input
-before the
-pass's clock starts, and hands each compute pass to a `PassCompute`, the public hook that says what F, B, BW
+before the pass's clock starts, and hands each compute pass to a `PassCompute`, the public hook that says what F, B, BW
 and W do: `megatron_passes.MegatronPasses` runs megatron's forward_step / backward_step (training), the
 rehearsal (tools/rehearsal.py) waits for the planned duration. An observer, when given, sees every pass with
 its start and end (profiling, tests, the rehearsal's record); replayed passes are not shown to it.

@@ -77,7 +77,8 @@ class TorchP2P:
     on NCCL; gloo posts its operations one by one, in order)."""
 
     def batch(self, posts: Posts, group) -> Works:
-        ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group) for is_send, tensor, peer in posts]
+        ops = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer, group)
+               for is_send, tensor, peer in posts]
         return Works(dist.batch_isend_irecv(ops))
 
 

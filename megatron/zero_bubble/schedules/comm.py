@@ -147,7 +147,8 @@ def _layout_links(layout: str, stages: int, chunks: int, rank: int, chunk: int, 
     """_links, which depends on the layout's shape only: worked out once per shape (the runtime asks it per pass)."""
     f, vs = facts(op), virtual_stage(layout, stages, rank, chunk)
     nv = stages * chunks
-    send = None if f.sends is None else _link(layout, stages, f.sends[0], vs, f.linked_stage(vs, f.sends[1], nv, stages))
+    send = None if f.sends is None else _link(layout, stages, f.sends[0], vs,
+                                              f.linked_stage(vs, f.sends[1], nv, stages))
     receives = RECEIVES[op]
     recv = None if receives is None else _link(layout, stages, receives[0],
                                                f.linked_stage(vs, receives[1], nv, stages), vs)

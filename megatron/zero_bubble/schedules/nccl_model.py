@@ -154,7 +154,8 @@ class _Run:
                     item.ops.append(_Op(is_send, peer, post))
             else:
                 raise ScheduleError(f"rank {rank}'s program holds {action!r}, which is no pass, batch or warm-up")
-            new_links = tuple(dict.fromkeys((item.group, op.peer) for op in item.ops if (item.group, op.peer) not in links))
+            new_links = tuple(dict.fromkeys((item.group, op.peer) for op in item.ops
+                                            if (item.group, op.peer) not in links))
             item.first_links, item.first_groups = new_links, (() if item.group in groups else (item.group,))
             links.update(new_links)
             groups.add(item.group)
@@ -268,7 +269,8 @@ class _Run:
         return None if None in times else max(times)
 
     def _start(self, rank: int) -> bool:
-        """Start on the GPU what can start: in posting order under one launch queue (rule 6), else each stream's next."""
+        """Start on the GPU what can start: in posting order under one launch queue (rule 6), else each stream's
+        next."""
         if self.rules.one_launch_queue:
             started = False
             while self.gpu_pos[rank] < self.host_pos[rank] and self._try_start(rank, self.gpu_pos[rank]):

@@ -50,7 +50,8 @@ def _output_send(schedule: Schedule, rank: int, p: Pass) -> Message | None:
 def _post_json(post: Send | Recv) -> dict:
     msg = post.msg
     is_send = type(post) is Send
-    return {"post": "send" if is_send else "recv", "message": message_json(msg), "peer": msg.dst if is_send else msg.src}
+    return {"post": "send" if is_send else "recv", "message": message_json(msg),
+            "peer": msg.dst if is_send else msg.src}
 
 
 def item_json(schedule: Schedule, rank: int, item: Action) -> dict:
@@ -76,8 +77,8 @@ def _item_of(entry: dict) -> Action:
             raise ValueError(f"a warm-up names one group, not {sorted(groups)}")
         return Warmup([link["peer"] for link in links], groups.pop())
     if "batch" in entry:
-        return Batch([(Send if post["post"] == "send" else Recv)(message_of(post["message"])) for post in entry["batch"]],
-                     entry["group"])
+        posts = [(Send if post["post"] == "send" else Recv)(message_of(post["message"])) for post in entry["batch"]]
+        return Batch(posts, entry["group"])
     return Pass(entry["compute"], entry["mb"], entry["chunk"])
 
 

@@ -58,7 +58,8 @@ class RehearsalOptions:
     recv_delay_ms: float = 0.0  # a deliberately slow transport: sleep before posting each receive (tests)
     delayed_rank: int | None = None  # the rank whose transport is slowed (None: every rank)
     timeout_s: float = 300.0
-    # messages as NCCL runs them (tools/strict_p2p.py: the rules of schedules/nccl_model.py); False: gloo's own operations
+    # messages as NCCL runs them (tools/strict_p2p.py: the rules of schedules/nccl_model.py); False: gloo's own
+    # operations
     strict_p2p: bool = True
     # Several iterations and the optimizer step between them, in the schedule's time unit. Without V passes
     # the step is megatron's synchronous one: a real all-reduce over all ranks (everyone waits for the
