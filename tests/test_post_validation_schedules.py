@@ -253,9 +253,9 @@ def test_one_f_one_b_p2_m4_rollback_by_hand():
     # the result on: act1 is exchanged at rank 1's V, which rank 0 has passed by then, so rank 0 sends it after its
     # own V. S comes last: rank 0 sends its statistics on, rank 1 (the last) receives them and holds the full sums.
     assert programs == [
-        actions(0, "warm F0 [+act0] F1 [-valid] V [+act1 -grad0] BW0 F2 [+act2 -grad1] BW1 F3 [+act3 -grad2] BW2 "
+        actions(0, "warm F0 [+act0] F1 [-valid] V [+act1 -grad0] BW0 F2 [-grad1] [+act2] BW1 F3 [+act3 -grad2] BW2 "
                    "[-grad3] BW3 S [+stats]"),
-        actions(1, "warm [-act0] F0 V [+valid -act1] BW0 [+grad0] F1 BW1 [-act2] [+grad1] F2 BW2 [-act3] [+grad2] F3 "
+        actions(1, "warm [-act0] F0 V [+valid -act1] BW0 [+grad0] F1 BW1 [+grad1 -act2] F2 BW2 [-act3] [+grad2] F3 "
                    "BW3 [+grad3 -stats] S"),
     ]
     # Nothing is sent before its sender's V that its receiver takes after its own: no stale message to drain.

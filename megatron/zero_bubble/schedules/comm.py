@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-from dataclasses import dataclass
 from operator import itemgetter
 from typing import Iterator, NamedTuple, Union
 
 from .costs import Costs
 from .ops import KIND_NOUNS, RECEIVES, TABLE, Kind, carries_microbatch, facts, per_rank_chunk
 from .schedule import Pass, Schedule, ScheduleError, stage_owner, virtual_stage
-from .simulate import Timeline, provides, requires, simulate
+from .simulate import Timeline, simulate
 
 
 class _MessageFields(NamedTuple):
@@ -89,27 +88,34 @@ class Recv(_Post):
 PIPELINE_GROUP = "pipeline"  # the process group every pipeline message goes on: megatron's pipeline group
 
 
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """Sends and receives posted together, as one NCCL kernel (`batch_isend_irecv`) on a process group."""
-
-    ops: tuple  # of Send and Recv, in posting order (a list given is kept as a tuple)
-    group: str = PIPELINE_GROUP
-
-    def __post_init__(self):
-        object.__setattr__(self, "ops", tuple(self.ops))
+class _BatchFields(NamedTuple):
+    ops: tuple  # of Send and Recv, in posting order
+    group: str
 
 
-@dataclass(frozen=True, slots=True)
-class Warmup:
+class Batch(_BatchFields):
+    """Sends and receives posted together, as one NCCL kernel (`batch_isend_irecv`) on a process group. An immutable
+    tuple, as Pass and Message are: the lowering of a large plan makes tens of thousands."""
+
+    __slots__ = ()
+
+    def __new__(cls, ops, group: str = PIPELINE_GROUP):
+        return tuple.__new__(cls, (tuple(ops), group))
+
+
+class _WarmupFields(NamedTuple):
+    peers: tuple  # pipeline ranks
+    group: str
+
+
+class Warmup(_WarmupFields):
     """A first exchange with each of `peers` on a process group, all at once: made before the first iteration, so
     that no later first use of a link blocks a host (nccl_model.py, rule 5)."""
 
-    peers: tuple  # pipeline ranks (a list given is kept as a tuple)
-    group: str = PIPELINE_GROUP
+    __slots__ = ()
 
-    def __post_init__(self):
-        object.__setattr__(self, "peers", tuple(self.peers))
+    def __new__(cls, peers, group: str = PIPELINE_GROUP):
+        return tuple.__new__(cls, (tuple(peers), group))
 
 
 Post = Union[Send, Recv]
@@ -162,7 +168,7 @@ def link_table(schedule: Schedule) -> list[dict]:
 
 
 def _message(link: Link | None, mb: int) -> Message | None:
-    return None if link is None else Message(link[0], mb, *link[1:5])
+    return None if link is None else tuple.__new__(Message, (link[0], mb) + link[1:5])
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
@@ -176,7 +182,7 @@ def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     return _message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
 
 
-_ORDER = itemgetter(0, 1, 2)  # messages in their exchange order: ((time, after V, causal depth), rank, position)
+_ORDER = itemgetter(0, 1, 2)  # messages in their exchange order: ((time, after V, causal order), rank, position)
 
 
 def _replay_points(schedule: Schedule) -> dict[int, int]:
@@ -203,45 +209,16 @@ def _consumer_index(schedule: Schedule, table: list[dict]) -> dict[tuple, int]:
     return index
 
 
-def _depths(schedule: Schedule) -> list[list[int]]:
-    """Each pass's causal depth: the longest chain of passes it depends on (its rank's earlier passes, the passes it
-    needs on other stages). Among messages exchanged at one time, the deeper producer's goes later: with passes that
-    take no time (V) or no T_comm, a message can be due at the very time of one its producer waited for."""
-    nv, p = schedule.num_virtual_stages, schedule.stages
-    where = {}
-    for rank, passes in enumerate(schedule.ranks):
-        for pos, ps in enumerate(passes):
-            for key in provides(ps, schedule.virtual_stage(rank, ps.chunk)):
-                where[key] = (rank, pos)
-    after: dict[tuple[int, int], list[tuple[int, int]]] = {}  # pass -> the passes that wait for it
-    waiting = {}
-    for rank, passes in enumerate(schedule.ranks):
-        for pos, ps in enumerate(passes):
-            needs = [where[key] for key in requires(ps, schedule.virtual_stage(rank, ps.chunk), nv, p) if key in where]
-            needs += [(rank, pos - 1)] if pos else []
-            waiting[rank, pos] = len(needs)
-            for need in needs:
-                after.setdefault(need, []).append((rank, pos))
-    depth = [[0] * len(passes) for passes in schedule.ranks]
-    ready = [node for node, count in waiting.items() if count == 0]
-    while ready:
-        rank, pos = node = ready.pop()
-        for nxt in after.get(node, ()):
-            depth[nxt[0]][nxt[1]] = max(depth[nxt[0]][nxt[1]], depth[rank][pos] + 1)
-            waiting[nxt] -= 1
-            if waiting[nxt] == 0:
-                ready.append(nxt)
-    return depth
-
-
 def _exchanges(schedule: Schedule, timeline: Timeline, table: list[dict]) -> list[tuple]:
-    """Every message as ((exchange time, after V, causal depth), producing rank, producer's position, message,
+    """Every message as ((exchange time, after V, causal order), producing rank, producer's position, message,
     consumer's position), in exchange order. A message is exchanged when its producer ends, except that one its
-    receiver consumes after its replay point (V) is exchanged after that V."""
+    receiver consumes after its replay point (V) is exchanged after that V. Among messages of one time, the one whose
+    producer the simulator timed later goes later: with passes that take no time (V) or no T_comm, a message can be
+    due at the very time of one its producer waited for."""
     new = tuple.__new__  # a Message from fields that are right already (the link's kind is a Kind)
     consumers = _consumer_index(schedule, table)
     replay = {rank: (timeline.ranks[rank][pos].end, pos) for rank, pos in _replay_points(schedule).items()}
-    depths = _depths(schedule)
+    causal = timeline.sequence or simulate(schedule, timeline.costs).sequence
     out = []
     for rank, passes in enumerate(timeline.ranks):
         links = table[rank]
@@ -251,9 +228,9 @@ def _exchanges(schedule: Schedule, timeline: Timeline, table: list[dict]) -> lis
                 continue
             kind, src_stage, dst_stage, src, dst, number = link
             consumed_at = consumers[number, t.op.mb, src_stage, dst_stage]
-            when = (t.end, 0, depths[rank][pos])
+            when = (t.end, 0, causal[rank][pos])
             if dst in replay and consumed_at > replay[dst][1]:
-                when = max(when, (replay[dst][0], 1, depths[rank][pos]))
+                when = max(when, (replay[dst][0], 1, causal[rank][pos]))
             out.append((when, rank, pos, new(Message, (kind, t.op.mb, src_stage, dst_stage, src, dst)), consumed_at))
     out.sort(key=_ORDER)
     return out
@@ -292,11 +269,13 @@ def _program(schedule: Schedule, rank: int, slots: dict[int, list[Post]]) -> lis
     passes = schedule.ranks[rank]
     peers = sorted({post.msg.dst if type(post) is Send else post.msg.src for group in slots.values() for post in group})
     program: list[Action] = [Warmup(peers)] if peers else []
+    links = link_table(schedule)[rank]
     for k in range(len(passes) + 1):
         group = slots.get(k)
         if group:
-            needed = _waited_for(schedule, rank, passes[k]) if k < len(passes) else ()
-            cut = max((i for i, post in enumerate(group) if post in needed), default=len(group) - 1) + 1
+            needed = _waited_for(links, passes[k]) if k < len(passes) else ()
+            cut = max((i for i, post in enumerate(group) if (type(post), post.msg) in needed),
+                      default=len(group) - 1) + 1
             program.append(Batch(group[:cut]))
             if cut < len(group):
                 program.append(Batch(group[cut:]))
@@ -305,10 +284,10 @@ def _program(schedule: Schedule, rank: int, slots: dict[int, list[Post]]) -> lis
     return program
 
 
-def _waited_for(schedule: Schedule, rank: int, p: Pass) -> tuple[Post, ...]:
-    """The posts a pass waits for: the receive of what it consumes and, for a backward, the send of its forward's
-    output (the runtime frees that output first)."""
-    need = consumed(schedule, rank, p)
+def _waited_for(links: dict, p: Pass) -> tuple[tuple, ...]:
+    """The posts a pass waits for, as (Recv or Send, message): the receive of what it consumes and, for a backward,
+    the send of its forward's output (the runtime frees that output first)."""
+    need = _message(links[p.chunk, p.op][1], p.mb)
     frees = facts(p.op).frees_output_of
-    sent = None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
-    return tuple(post for post in (None if need is None else Recv(need), None if sent is None else Send(sent)) if post)
+    sent = None if frees is None else _message(links[p.chunk, frees][0], p.mb)
+    return tuple(post for post in ((Recv, need), (Send, sent)) if post[1] is not None)

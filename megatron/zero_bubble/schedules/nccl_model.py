@@ -31,7 +31,7 @@ from typing import Optional
 from .comm import Action, Batch, Message, Recv, Send, Warmup, link_table
 from .costs import Costs
 from .memory import memory_profile
-from .ops import facts
+from .ops import Op, facts
 from .schedule import Pass, Schedule, ScheduleError
 from .simulate import Timeline, TimedPass, duration
 
@@ -49,6 +49,7 @@ class Rules:
 
 
 ALL_RULES = Rules()
+_SYNCS_HOST = {op: facts(op).syncs_host for op in Op}
 
 
 def check_lowering(schedule: Schedule, programs: list[list[Action]], costs: Costs | None = None,
@@ -116,6 +117,7 @@ class _Run:
         self.timed: list[list[TimedPass]] = [[] for _ in range(self.p)]
         self.members: dict[str, set[int]] = {}
         self.links = link_table(schedule)  # what each pass of each rank sends and receives, worked out once
+        self.lengths: dict[tuple, float] = {}  # (op, virtual stage) -> duration
         for rank in range(self.p):
             self._describe_rank(rank)
         self._match()
@@ -131,11 +133,16 @@ class _Run:
         schedule, items = self.schedule, self.items[rank]
         where: dict[tuple[bool, object], tuple[int, int]] = {}  # (is send, message) -> (item, op)
         groups, links, last_pass, computed = set(), set(), None, set()
+        vstage = [schedule.virtual_stage(rank, chunk) for chunk in range(schedule.chunks)]
         for i, item in enumerate(items):
             action = item.action
             if item.is_pass:
-                item.length = duration(action, schedule.virtual_stage(rank, action.chunk), self.costs)
-                item.syncs_host = facts(action.op).syncs_host
+                key = (action.op, vstage[action.chunk])
+                length = self.lengths.get(key)
+                if length is None:
+                    length = self.lengths[key] = duration(action, key[1], self.costs)
+                item.length = length
+                item.syncs_host = _SYNCS_HOST[action.op]
                 item.waits = self._waits(rank, i, action, where)
                 computed.add(self._message(rank, action, 0))
                 last_pass = i
@@ -154,16 +161,18 @@ class _Run:
                     item.ops.append(_Op(is_send, peer, post))
             else:
                 raise ScheduleError(f"rank {rank}'s program holds {action!r}, which is no pass, batch or warm-up")
-            new_links = tuple(dict.fromkeys((item.group, op.peer) for op in item.ops
-                                            if (item.group, op.peer) not in links))
-            item.first_links, item.first_groups = new_links, (() if item.group in groups else (item.group,))
-            links.update(new_links)
-            groups.add(item.group)
+            fresh = [(item.group, op.peer) for op in item.ops if (item.group, op.peer) not in links]
+            if fresh:
+                item.first_links = tuple(dict.fromkeys(fresh))
+                links.update(fresh)
+            if item.group not in groups:
+                item.first_groups = (item.group,)
+                groups.add(item.group)
 
     def _message(self, rank: int, p: Pass, which: int) -> Message | None:
         """What a pass sends (which=0) or receives (1): comm.produced and comm.consumed from the link table."""
         link = self.links[rank][p.chunk, p.op][which]
-        return None if link is None else Message(link[0], p.mb, *link[1:5])
+        return None if link is None else tuple.__new__(Message, (link[0], p.mb) + link[1:5])
 
     def _waits(self, rank: int, i: int, p: Pass, where: dict) -> list[tuple[int, int]]:
         """The posts a pass waits for, as (item, op) of its rank's program: they must come before it."""

@@ -48,6 +48,9 @@ class Timeline:
     costs: Costs
     ranks: list[list[TimedPass]]
     peak_memory: list[float]
+    # sequence[rank][pos]: when the simulator timed that pass, counted over all ranks: an order in which every pass
+    # comes after what it waited for, even among passes of the same time (comm.lower breaks ties by it)
+    sequence: list[list[int]] | None = None
 
     def timed_ends(self, rank: int) -> tuple[TimedPass, TimedPass] | None:
         """The rank's first and last pass that takes time (V and S do not), None if it has none."""
@@ -107,7 +110,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     waiting = {op: [{} for _ in range(nv)] for op in Op}
     rows = _rows(schedule, costs, ended, waiting)
     timed: list[list[TimedPass]] = [[] for _ in range(p)]
-    pos, free = [0] * p, [0.0] * p
+    sequence: list[list[int]] = [[] for _ in range(p)]
+    pos, free, counted = [0] * p, [0.0] * p, 0
     # A rank runs its passes until one lacks an input; it then waits for that input and runs on once it ends.
     # Each pass is looked at about once, whichever way the dependencies point.
     runnable = list(reversed(range(p)))
@@ -115,6 +119,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     while runnable:
         rank = runnable.pop()
         passes, at, end, row_of, out = schedule.ranks[rank], pos[rank], free[rank], rows[rank], timed[rank]
+        order = sequence[rank]
         while at < len(passes):
             op = passes[at]
             kind, mb, chunk = op
@@ -135,6 +140,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 start = end if end > ready else ready
                 end = start + length
                 out.append(new(TimedPass, (rank, vs, op, start, end)))
+                order.append(counted)
+                counted += 1
                 for work, waiters in completes:
                     work[mb] = end
                     if waiters and mb in waiters:
@@ -146,7 +153,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     if any(pos[r] < len(schedule.ranks[r]) for r in range(p)):
         raise ScheduleError(_deadlock_message(schedule, pos, ended))
     peaks = [max(profile, default=0.0) for profile in memory_profile(schedule, costs)]
-    return Timeline(schedule, costs, timed, peaks)
+    return Timeline(schedule, costs, timed, peaks, sequence)
 
 
 def _rows(schedule: Schedule, costs: Costs, ended: dict, waiting: dict) -> list[dict]:
