@@ -166,7 +166,8 @@ def test_messages_match_in_posting_order_per_group_and_direction():
 
 PLANNERS = [("1f1b", 1), ("zb-h1", 1), ("zb-h2", 1), ("zb-auto", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
             ("zb-auto", 2), ("zb-auto", 3), ("zb-auto", 4), ("zb-v", 2), ("v-half", 2), ("v-min", 2)]
-GRID = [(name, chunks, p, m, pv) for name, chunks in PLANNERS for p in (2, 3, 4, 8, 16) for m in (p, 2 * p + 1, 3 * p)
+GRID = [(name, chunks, p, m, pv) for name, chunks in PLANNERS for p in (2, 3, 4, 8, 16)
+        for m in ((p, 2 * p + 1) if p == 16 else (p, 2 * p + 1, 3 * p))  # p=16 plans take most of the time
         for pv in (False, True) if not (name.startswith("interleaved") and m % p)]
 
 
@@ -184,7 +185,7 @@ def test_a_sample_of_plans_runs_on_the_model_within_five_percent_of_the_plan():
 
 @pytest.mark.slow
 def test_every_planners_programs_run_on_the_model_within_five_percent_of_the_plan():
-    """Planners x p in {2, 3, 4, 8, 16} x three m, one chunk, 2 to 4 interleaved and V, with and without
+    """Planners x p in {2, 3, 4, 8, 16} x two or three m, one chunk, 2 to 4 interleaved and V, with and without
     post-validation (the paper's 1.5B costs per stage)."""
     _check_grid(GRID)
 

@@ -109,8 +109,9 @@ class _WarmupFields(NamedTuple):
 
 
 class Warmup(_WarmupFields):
-    """A first exchange with each of `peers` on a process group, all at once: made before the first iteration, so
-    that no later first use of a link blocks a host (nccl_model.py, rule 5)."""
+    """A first exchange with each of `peers` on a process group, all at once: made by the first call, before any other
+    message (links already warm are skipped), so that no later first use of a link blocks a host (nccl_model.py,
+    rule 5)."""
 
     __slots__ = ()
 

@@ -4,7 +4,7 @@ reads), and timed on the model of NCCL and CUDA (nccl_model.py).
 A program is the rank's compute passes in order with what it posts between them (comm.lower). `program_json` writes
 it per rank as a list of items:
 - a warm-up, first: {"warmup": [{"group": "pipeline", "peer": 1}, ...]}, a first exchange with every peer at once,
-  made before the first iteration;
+  made by the first call, before any other message;
 - a batch: {"batch": [POST, ...], "group": "pipeline"}, sends and receives posted together (one NCCL kernel), where
   POST is {"post": "send" | "recv", "message": MESSAGE, "peer": rank};
 - a compute pass: {"compute": "F", "mb": 0, "chunk": 0, "waits_for": MESSAGE or null, "waits_for_send": MESSAGE or
@@ -25,7 +25,7 @@ from .simulate import Timeline
 TRANSPORT = {
     "groups": "every message on megatron's pipeline group, named 'pipeline' on both ends",
     "posting": "what a rank posts between two compute passes goes out as one batch (batch_isend_irecv), after a "
-               "warm-up of every link before the first iteration",
+               "warm-up of every link at the head of the first call",
     "proven_on": "one in-order stream per communicator, rendezvous, a batch as one kernel, NCCL waiting for the "
                  "compute posted before it, the first use of a link blocking the host, one launch queue per GPU",
 }
