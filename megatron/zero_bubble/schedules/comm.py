@@ -8,11 +8,16 @@ blocks later at a first use (nccl_model.py, rule 5).
 Each message is exchanged at the time its producer ends in the simulated timeline: the sender posts it in the batch
 right after the pass that produces it; the receiver posts its receive in the batch at the last pass boundary it
 reaches by then (before the pass running at that time), so the transfer overlaps that pass as the plan assumes, and
-at the latest right before the pass that consumes it. Both ends therefore post every message at the same point of
-one global order (by exchange time), batch after batch: a batch's partners are posted at about the same time on the
-neighbours, and no batch waits long for its peers (rules 1 to 3, 6). Where a pass consumes a message of the batch
-right before it, the receives due only later go into a second batch after it, so that the pass waits for no more
-than it needs (a batch completes as a whole).
+at the latest right before the pass that consumes it. A message that lands only after that pass has ended (within
+T_comm of its end) is received at the next boundary instead: a batch completes as a whole and the next batch on the
+stream starts only then, so the receive posted early would hold up whatever the rank posts at the next boundary, and
+under one launch queue the pass after it too. It stays where it is when the pass after that boundary consumes it
+(which would start later) or when the sender posts again before the later receive would land (the sender's next
+batch would wait instead). Both ends therefore post every message at the same point of one global order (by exchange
+time), batch after batch: a batch's partners are posted at about the same time on the neighbours, and no batch waits
+long for its peers (rules 1 to 3, 6). Where a pass consumes a message of the batch right before it, the receives due
+only later go into a second batch after it, so that the pass waits for no more than it needs (a batch completes as a
+whole).
 A message its receiver consumes only after its replay point (V) is exchanged after that V on the receiver (a receive
 posted before V could be matched by a replayed message after a rollback).
 `nccl_model.check_lowering` replays the programs on the model of NCCL and CUDA and names the first stuck item.
@@ -246,6 +251,7 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
     table = link_table(schedule)
     replay = _replay_points(schedule)
     ends = [[t.end for t in passes] for passes in timeline.ranks]
+    t_comm = timeline.costs.t_comm
     slots: list[dict[int, list[Post]]] = [{} for _ in range(schedule.stages)]  # rank -> boundary -> posts in order
     last = [0] * schedule.stages  # each rank's latest boundary so far: its posts follow the exchange order
     for (when, after_replay, _), _, produced_at, msg, consumed_at in _exchanges(schedule, timeline, table):
@@ -255,6 +261,9 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
         send_at = max(bisect.bisect_right(ends[src], when) if after_replay else 0, produced_at + 1, last[src])
         earliest = max(last[dst], replay[dst] + 1 if after_replay else 0)
         recv_at = max(earliest, min(bisect.bisect_right(ends[dst], when), consumed_at))
+        if recv_at + 1 < consumed_at and when + t_comm > ends[dst][recv_at] and (
+                send_at == len(ends[src]) or ends[src][send_at] >= ends[dst][recv_at] + t_comm):
+            recv_at += 1  # it lands after the pass it would overlap: its batch would hold up the next one
         if recv_at > consumed_at:
             raise ScheduleError(f"rank {dst} cannot post the receive of {msg.describe()} before it needs it: the "
                                 f"exchange order puts it after its receive of another message it needs later")
