@@ -3,7 +3,9 @@ profiled times), plus PyTorch's ScheduleZBVZeroBubble where benchmarks/torch_ref
 
     python benchmarks/plan_quality.py [--ilp-time-limit 10] [--rows 1,5,V2 | --rows 28.3B] [--quick] [--v-only]
 
-Every bubble rate is the paper's measure: each rank from its own first to its own last pass.
+Every bubble rate is the paper's measure (each rank from its own first to its own last pass) of the plan as the
+runtime runs it: its programs (the batches of sends and receives the runtime posts) replayed on the model of NCCL and
+CUDA (docs/communication.md), which is at or above the planned figure; the lower bounds are the planner's.
 Costs per row: the profiled T_F, T_B, T_W, T_comm behind that very row of the paper's tables (per pipeline
 rank), as the original implementation lists them (see shared/reference/paper-facts.md), uniform over
 stages; M_B = 1 and M_W / M_B = 32h / (34h + 5as) with s = 1024. With these costs the paper's 1F1B, ZB-H1,
@@ -13,7 +15,7 @@ T_comm stays, since a chunk sends activations of the same size. The ZB-V rows' t
 ZB-V figures only when taken per chunk (equivalently: per rank with half the T_comm), so they are used
 per chunk; halving them with the full T_comm gives .1025 instead of .0697 on 6.2B/16/48.
 Each table prints the costs its row used, in ms. The V family (V-Half, V-Min, the budgeted V planner)
-against 1F1B and the reference implementation follows (benchmarks/v_family_quality.py).
+against 1F1B and the reference implementation follows (benchmarks/v_family_quality.py; its tables are of the plans).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron.zero_bubble.schedules import Costs, ScheduleError, simulate, validate  # noqa: E402
+from megatron.zero_bubble.schedules.comm import lower  # noqa: E402
+from megatron.zero_bubble.schedules.nccl_model import replay  # noqa: E402
 from megatron.zero_bubble.schedules.planners import PlanRequest, plan  # noqa: E402
 
 import v_family_quality  # noqa: E402  (benchmarks/, beside this script)
@@ -96,10 +100,15 @@ def row_costs(model: str, p: int, m: int, chunks: int = 1, zbv: bool = False, st
                       m_f=m_f, m_w=mw_ratio * m_f, chunks=chunks, time_unit="ms")
 
 
+def on_model(schedule, costs: Costs):
+    """The timeline of the schedule's programs, as the runtime lowers them, replayed on the model of NCCL and CUDA."""
+    return replay(schedule, lower(schedule, costs, simulate(schedule, costs)), costs)
+
+
 def planned_rate(name: str, model: str, p: int, m: int, chunks: int = 1, **options) -> float:
     costs = row_costs(model, p, m, chunks)
     schedule = plan(name, PlanRequest(p, m, costs, chunks=None if chunks == 1 else chunks, **options))
-    return simulate(schedule, costs).bubble_rate
+    return on_model(schedule, costs).bubble_rate
 
 
 def auto_rate(model: str, p: int, m: int, limit: float, ilp_limit: float) -> float:
@@ -183,14 +192,14 @@ def zbv_table(rows, errors: list[str], goals: list[tuple[str, bool]]) -> None:
         label = f"{model}/{p}/{m}"
         costs = row_costs(model, p, m, chunks=2, zbv=True)
         started = time.perf_counter()
-        ours = _try(errors, f"{label} ZB-V", lambda: simulate(plan("zb-v", PlanRequest(p, m, costs, chunks=2)), costs))
+        ours = _try(errors, f"{label} ZB-V", lambda: on_model(plan("zb-v", PlanRequest(p, m, costs, chunks=2)), costs))
         seconds = time.perf_counter() - started
         line = (f"{index:>3} {model:>6} {p:>3} {m:>4}  {describe_row_costs(model, p, m, zbv=True):>24}  "
                 f"{_cell(ours and ours.bubble_rate, paper):>13}")
         line += f"  {max(ours.peak_memory):>8.3g}  {seconds:>6.1f}" if ours else f"  {'n/a':>8}  {'':>6}"
         theirs = None
         if reference:
-            theirs = _try(errors, f"{label} torch ZB-V", lambda: simulate(reference.torch_zbv_schedule(p, m), costs))
+            theirs = _try(errors, f"{label} torch ZB-V", lambda: on_model(reference.torch_zbv_schedule(p, m), costs))
             line += f"  {theirs.bubble_rate:>10.4f}  {max(theirs.peak_memory):>8.3g}" if theirs else f"  {'n/a':>10}"
         print(line, flush=True)
         if ours:
@@ -206,7 +215,7 @@ INTERLEAVED_CHUNKS = (2, 4)
 
 def _timeline(name: str, model: str, p: int, m: int, chunks: int, **options):
     costs = row_costs(model, p, m, chunks)
-    return simulate(plan(name, PlanRequest(p, m, costs, chunks=chunks, **options)), costs)
+    return on_model(plan(name, PlanRequest(p, m, costs, chunks=chunks, **options)), costs)
 
 
 def interleaved_bound(model: str, p: int, m: int, chunks: int, limit: float) -> float:
@@ -261,7 +270,7 @@ def interleaved_table(rows, ilp_limit: float, errors: list[str], goals: list[tup
                 goals.append((text, met))
         if reference:
             costs = row_costs(model, p, m, 2)
-            theirs = _try(errors, f"{label} torch IZB", lambda: simulate(
+            theirs = _try(errors, f"{label} torch IZB", lambda: on_model(
                 reference.torch_interleaved_zb_schedule(p, 2, m), costs))
             cells["torch IZB v=2"] = theirs
             if theirs and cells["ours v=2"]:
