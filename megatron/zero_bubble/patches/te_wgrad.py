@@ -32,7 +32,6 @@ count it ready; under --overlap-grad-reduce it asserts a gradient). What a B pas
 out when the pass ends; a bias gradient formed in B is handed back to that entry's `backward_dw` (TE expects it
 there), a weight's (a placeholder, or GroupedLinear's unwritten buffer) is dropped.
 
-
 The TE internals used beyond the documented option, and why: `module.wgrad_store` is replaced because the option
 is fixed when megatron builds the module (megatron's own `--delay-wgrad-compute` needs its combined-1F1B
 schedule), while zero bubble defers in B passes only, and because TE's store gives no notice of a `put`, which

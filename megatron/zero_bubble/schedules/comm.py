@@ -173,19 +173,26 @@ def link_table(schedule: Schedule) -> list[dict]:
             for rank in range(schedule.stages)]
 
 
-def _message(link: Link | None, mb: int) -> Message | None:
+def link_message(link: Link | None, mb: int) -> Message | None:
+    """The message of microbatch `mb` on a link of link_table (None for no link)."""
     return None if link is None else tuple.__new__(Message, (link[0], mb) + link[1:5])
 
 
 def produced(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     """The message a pass sends to another rank, if any."""
-    return _message(_links(schedule, rank, p.chunk, p.op)[0], p.mb)
+    return link_message(_links(schedule, rank, p.chunk, p.op)[0], p.mb)
 
 
 def consumed(schedule: Schedule, rank: int, p: Pass) -> Message | None:
     """The message a pass must receive from another rank before it can run, if any: the output of its
     dependency on another virtual stage."""
-    return _message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
+    return link_message(_links(schedule, rank, p.chunk, p.op)[1], p.mb)
+
+
+def output_send(schedule: Schedule, rank: int, p: Pass) -> Message | None:
+    """The send a pass waits for before it runs, if any: a backward's forward output (the runtime frees it)."""
+    frees = facts(p.op).frees_output_of
+    return None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
 
 
 _ORDER = itemgetter(0, 1, 2)  # messages in their exchange order: ((time, after V, causal order), rank, position)
@@ -270,20 +277,19 @@ def lower(schedule: Schedule, costs: Costs | None = None, timeline: Timeline | N
         slots[src].setdefault(send_at, []).append(Send(msg))
         slots[dst].setdefault(recv_at, []).append(Recv(msg))
         last[src], last[dst] = send_at, recv_at
-    return [_program(schedule, rank, slots[rank]) for rank in range(schedule.stages)]
+    return [_program(schedule.ranks[rank], table[rank], slots[rank]) for rank in range(schedule.stages)]
 
 
-def _program(schedule: Schedule, rank: int, slots: dict[int, list[Post]]) -> list[Action]:
-    """A rank's warm-up, passes and batches. The posts before a pass that consumes one of them are cut after the
-    last it waits for: the rest go into a batch of their own, which the pass does not wait for."""
-    passes = schedule.ranks[rank]
+def _program(passes: list[Pass], links: dict, slots: dict[int, list[Post]]) -> list[Action]:
+    """A rank's warm-up, passes and batches, from its passes, its link_table and its posts by boundary. The posts
+    before a pass that consumes one of them are cut after the last it waits for: the rest go into a batch of their
+    own, which the pass does not wait for."""
     peers = sorted({post.msg.dst if type(post) is Send else post.msg.src for group in slots.values() for post in group})
     program: list[Action] = [Warmup(peers)] if peers else []
-    links = link_table(schedule)[rank]
     for k in range(len(passes) + 1):
         group = slots.get(k)
         if group:
-            needed = _waited_for(links, passes[k]) if k < len(passes) else ()
+            needed = waited_for(links, passes[k]) if k < len(passes) else ()
             cut = max((i for i, post in enumerate(group) if (type(post), post.msg) in needed),
                       default=len(group) - 1) + 1
             program.append(Batch(group[:cut]))
@@ -294,10 +300,11 @@ def _program(schedule: Schedule, rank: int, slots: dict[int, list[Post]]) -> lis
     return program
 
 
-def _waited_for(links: dict, p: Pass) -> tuple[tuple, ...]:
-    """The posts a pass waits for, as (Recv or Send, message): the receive of what it consumes and, for a backward,
-    the send of its forward's output (the runtime frees that output first)."""
-    need = _message(links[p.chunk, p.op][1], p.mb)
+def waited_for(links: dict, p: Pass) -> tuple[tuple, ...]:
+    """The posts a pass waits for, as (Recv or Send, message), from its rank's link_table: the receive of what it
+    consumes and, for a backward, the send of its forward's output (output_send: the runtime frees that output
+    first)."""
+    need = link_message(links[p.chunk, p.op][1], p.mb)
     frees = facts(p.op).frees_output_of
-    sent = None if frees is None else _message(links[p.chunk, frees][0], p.mb)
+    sent = None if frees is None else link_message(links[p.chunk, frees][0], p.mb)
     return tuple(post for post in ((Recv, need), (Send, sent)) if post[1] is not None)

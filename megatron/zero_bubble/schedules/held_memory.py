@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 
-from .comm import Batch, Send, consumed, lower, produced
+from .comm import Batch, Send, consumed, lower, output_send, produced
 from .costs import Costs
 from .memory import memory_profile
 from .ops import Kind, Op, carries_microbatch, facts
@@ -135,8 +135,7 @@ class _Positions:
             need = consumed(schedule, rank, p)
             if need is not None:
                 waits.append((self.receive[need], x))
-            frees = facts(p.op).frees_output_of
-            sent = None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
+            sent = output_send(schedule, rank, p)
             if sent is not None:
                 waits.append((self.sent[sent], x))
         waits.sort()

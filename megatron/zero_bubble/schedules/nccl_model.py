@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .comm import Action, Batch, Message, Recv, Send, Warmup, link_table
+from .comm import Action, Batch, Recv, Send, Warmup, link_message, link_table, waited_for
 from .costs import Costs
 from .memory import memory_profile
 from .ops import Op, facts
@@ -144,7 +144,7 @@ class _Run:
                 item.length = length
                 item.syncs_host = _SYNCS_HOST[action.op]
                 item.waits = self._waits(rank, i, action, where)
-                computed.add(self._message(rank, action, 0))
+                computed.add(link_message(self.links[rank][action.chunk, action.op][0], action.mb))
                 last_pass = i
                 continue
             item.after_pass = last_pass
@@ -169,27 +169,18 @@ class _Run:
                 item.first_groups = (item.group,)
                 groups.add(item.group)
 
-    def _message(self, rank: int, p: Pass, which: int) -> Message | None:
-        """What a pass sends (which=0) or receives (1): comm.produced and comm.consumed from the link table."""
-        link = self.links[rank][p.chunk, p.op][which]
-        return None if link is None else tuple.__new__(Message, (link[0], p.mb) + link[1:5])
-
     def _waits(self, rank: int, i: int, p: Pass, where: dict) -> list[tuple[int, int]]:
         """The posts a pass waits for, as (item, op) of its rank's program: they must come before it."""
         waits = []
-        need = self._message(rank, p, 1)
-        if need is not None:
-            if (False, need) not in where:
+        for post, msg in waited_for(self.links[rank], p):
+            is_send = post is Send
+            if (is_send, msg) not in where:
+                if is_send:
+                    raise ScheduleError(f"rank {rank} runs {p.describe()} before posting the send of "
+                                        f"{msg.describe()} (its forward's output, freed first)")
                 raise ScheduleError(f"rank {rank} runs {p.describe()} without having posted the receive of "
-                                    f"{need.describe()} before it")
-            waits.append(where[False, need])
-        frees = facts(p.op).frees_output_of
-        sent = None if frees is None else self._message(rank, Pass(frees, p.mb, p.chunk), 0)
-        if sent is not None:
-            if (True, sent) not in where:
-                raise ScheduleError(f"rank {rank} runs {p.describe()} before posting the send of {sent.describe()} "
-                                    f"(its forward's output, freed first)")
-            waits.append(where[True, sent])
+                                    f"{msg.describe()} before it")
+            waits.append(where[is_send, msg])
         return waits
 
     def _match(self) -> None:

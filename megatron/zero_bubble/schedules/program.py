@@ -14,10 +14,10 @@ where MESSAGE is {"kind": "act" | "grad" | "valid" | "stats", "mb", "from_stage"
 """
 from __future__ import annotations
 
-from .comm import Action, Batch, Message, Recv, Send, Warmup, consumed, produced
+from .comm import Action, Batch, Message, Recv, Send, Warmup, consumed, output_send
 from .costs import Costs
 from .nccl_model import replay
-from .ops import Kind, facts
+from .ops import Kind
 from .schedule import Pass, Schedule
 from .simulate import Timeline
 
@@ -41,12 +41,6 @@ def message_of(data: dict) -> Message:
                    data["to_rank"])
 
 
-def _output_send(schedule: Schedule, rank: int, p: Pass) -> Message | None:
-    """The send a pass waits for before it runs: a backward's forward output (the runtime frees it)."""
-    frees = facts(p.op).frees_output_of
-    return None if frees is None else produced(schedule, rank, Pass(frees, p.mb, p.chunk))
-
-
 def _post_json(post: Send | Recv) -> dict:
     msg = post.msg
     is_send = type(post) is Send
@@ -59,7 +53,7 @@ def item_json(schedule: Schedule, rank: int, item: Action) -> dict:
         return {"warmup": [{"group": item.group, "peer": peer} for peer in item.peers]}
     if isinstance(item, Batch):
         return {"batch": [_post_json(post) for post in item.ops], "group": item.group}
-    need, sent = consumed(schedule, rank, item), _output_send(schedule, rank, item)
+    need, sent = consumed(schedule, rank, item), output_send(schedule, rank, item)
     return {"compute": str(item.op), "mb": item.mb, "chunk": item.chunk,
             "waits_for": None if need is None else message_json(need),
             "waits_for_send": None if sent is None else message_json(sent)}
