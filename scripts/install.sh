@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 MCORE_VERSION=${MCORE_VERSION:-0.19.2}
+TE_VERSION=${TE_VERSION:-2.20.2}
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@"; }
 
 if [ -z "${VIRTUAL_ENV:-}" ] && [ "$("$PY" -c 'import sys; print(sys.prefix == sys.base_prefix)')" = True ]; then
@@ -27,6 +28,16 @@ if ! "$PY" -c "import importlib.metadata as m; assert m.version('megatron-core')
   else
     pip_install "megatron-core==${MCORE_VERSION}" "$TORCH_PIN"
   fi
+fi
+# On a machine without CUDA: Transformer Engine's Python (megatron's default layers), which runs there over this package's
+# CPU kernel layer (docs/transformer-engine.md). Only its Python wheel, without dependencies (the CUDA core library and
+# the compiled extension are other packages), and what its Python imports. A TE with its extension (a GPU install) is
+# never touched.
+if "$PY" -c "import sys, torch; sys.exit(torch.cuda.is_available())" \
+   && ! "$PY" -c "import importlib.metadata as m; m.version('transformer-engine-torch')" 2>/dev/null \
+   && ! "$PY" -c "import importlib.metadata as m; assert m.version('transformer-engine') == '${TE_VERSION}'" 2>/dev/null; then
+  pip_install --no-deps "transformer-engine==${TE_VERSION}"
+  pip_install onnxscript einops "$TORCH_PIN"
 fi
 # The package with its declared dependencies (pyproject.toml) and pytest; the pin keeps the torch we have.
 pip_install -e ".[test]" "$TORCH_PIN"

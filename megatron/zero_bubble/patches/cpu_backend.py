@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from . import cpu_backend_core, cpu_backend_moe, cpu_backend_norm
+from . import cpu_backend_core, cpu_backend_moe, cpu_backend_norm, cpu_backend_te
 from .cpu_backend_core import cuda_available
 
 __all__ = ["cuda_available", "install", "installed", "uninstall"]
@@ -24,6 +24,8 @@ def install(training: bool = False, force: bool = False) -> None:
     cpu_backend_core.install(force=force)
     cpu_backend_moe.install(force=force)
     cpu_backend_norm.install(force=force)
+    if cpu_backend_te.te_on_cpu_kernels():
+        cpu_backend_te.install()
     if training:
         from . import cpu_backend_training  # imports megatron.training: only when asked for
 
@@ -35,6 +37,7 @@ def uninstall() -> None:
     training = sys.modules.get(f"{__package__}.cpu_backend_training")
     if training is not None:
         training.uninstall()
+    cpu_backend_te.uninstall()
     cpu_backend_norm.uninstall()
     cpu_backend_moe.uninstall()
     cpu_backend_core.uninstall()

@@ -6,6 +6,8 @@ Two shims, both additions rather than replacements (`PatchSet.add_module` and `P
   from `pipeline_parallel/schedules.py` and `models/gpt/gpt_model.py`. When triton is missing, a stub
   module with the three names its one importer reads (a block size and two kernels that raise) is put in
   `sys.modules` under that module's name. MoE paged stashing is never used on CPU.
+- on a machine without CUDA where Transformer Engine's Python is installed without its compiled extension, TE's
+  Python runs over the CPU kernel layer (te_cpu): its import hook goes in before megatron imports TE;
 - `megatron/training/models/{base,gpt,hybrid}.py` use `typing.override` (Python 3.12+); on older Pythons
   it is aliased to `typing_extensions.override`.
 
@@ -19,6 +21,9 @@ import sys
 import types
 import typing
 
+import torch
+
+from .. import te_cpu
 from ._patching import MegatronPatch, module_functions
 
 TRITON_KERNEL_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
@@ -33,6 +38,8 @@ class ImportShims(MegatronPatch):
     def apply(self) -> None:
         if TRITON_KERNEL_MODULE not in sys.modules and importlib.util.find_spec("triton") is None:
             self.patches.add_module(TRITON_KERNEL_MODULE, _triton_kernel_stub())
+        if not torch.cuda.is_available():
+            te_cpu.install()  # TE's Python over CPU kernels, before megatron imports TE (where TE's Python is there)
         if sys.version_info < (3, 12) and not hasattr(typing, "override"):
             import typing_extensions
 
@@ -50,6 +57,11 @@ def _triton_kernel_stub() -> types.ModuleType:
     stub.paged_stash_pop_kernel = _needs_triton
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     return stub
+
+
+    def uninstall(self) -> None:
+        te_cpu.uninstall()
+        super().uninstall()
 
 
 install, uninstall, installed = module_functions(ImportShims())

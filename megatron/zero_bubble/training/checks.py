@@ -14,6 +14,7 @@ from ..schedules.planners import (PlanRequest, accepts_chunks, conflicting_optio
                                   multi_chunk_schedules, natural_chunks, plan, schedule_kind)
 from ..schedules.schedule import ScheduleError
 from ..schedules.vbudget import mem_setup_limit
+from ..te_cpu.loader import te_python_version
 from .paths import check_input_files, check_paths
 from .post_validation_checks import check_post_validation
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
@@ -139,8 +140,13 @@ def check_without_zero_bubble(args) -> None:
         return
     if args.distributed_backend != "gloo":
         raise StartupRefusal("--distributed-backend nccl needs CUDA; on CPU drop the flag (gloo is used)")
-    if args.transformer_impl == "transformer_engine":
-        raise StartupRefusal("--transformer-impl transformer_engine needs CUDA; on CPU use --transformer-impl local")
+    if args.transformer_impl == "transformer_engine" and te_python_version() is None:
+        raise StartupRefusal("--transformer-impl transformer_engine on the CPU needs Transformer Engine's Python "
+                             "(pip install --no-deps transformer-engine==2.20.2 onnxscript einops); or use "
+                             "--transformer-impl local")
+    if args.transformer_impl == "transformer_engine" and args.attention_backend.name not in ("unfused", "local"):
+        raise StartupRefusal(f"--attention-backend {args.attention_backend.name} needs CUDA; on CPU drop the flag "
+                             f"(TE's unfused attention runs) or use --attention-backend local")
     if not args.num_experts:
         return
     for name, why in MOE_CUDA_ONLY.items():

@@ -51,6 +51,17 @@ CPU_DEFAULTS = dict(distributed_backend="gloo", gradient_accumulation_fusion=Fal
                     bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
 
 
+def cpu_defaults() -> dict:
+    """CPU_DEFAULTS, with megatron's own default layers (Transformer Engine's) where TE's Python is installed: on the CPU
+    it runs over the labelled kernel layer (te_cpu)."""
+    from ..te_cpu import te_python_version
+
+    if te_python_version() is None:
+        return dict(CPU_DEFAULTS)
+    # TE's attention in PyTorch: flash and cuDNN attention need CUDA (a string default goes through the flag's type)
+    return {**CPU_DEFAULTS, "transformer_impl": "transformer_engine", "attention_backend": "unfused"}
+
+
 class StartupRefusal(Exception):
     """A flag combination that cannot work; the message is one line naming the flag and the fix."""
 
@@ -96,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _repair_help_texts(parser)
     parser.error = refuse_argparse_error  # a bad megatron flag: one line, not the full usage on every rank
     if not cuda_available():
-        parser.set_defaults(**CPU_DEFAULTS)
+        parser.set_defaults(**cpu_defaults())
     return parser
 
 

@@ -1,0 +1,149 @@
+"""CPU backend, Transformer Engine part: TE's own Python (over te_cpu's kernels) and megatron's TE wrappers see the
+CPU as "the GPU".
+
+TE's modules check `torch.cuda.is_available()`, place tensors on `torch.cuda.current_device()` or `device="cuda"`,
+ask for the device's compute capability (which decides what TE supports, FP8 among it) and open streams and NVTX
+ranges. Every module of `transformer_engine` that is loaded when this installs, and megatron's
+`megatron.core.extensions.transformer_engine*`, gets a `CpuTorch` for its global `torch` whose `cuda` answers as one
+Hopper GPU (compute capability 9.0, the GPU most users train on) that is the CPU. torch itself is not changed.
+Installs only where TE runs on the CPU kernel layer (te_cpu), never over a real TE.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import types
+
+import torch
+
+from ._patching import MegatronPatch, PatchError, module_functions
+from .cpu_backend_torch import CpuCuda, CpuTorch
+
+COMPUTE_CAPABILITY = (9, 0)
+# TE's methods that refuse inputs whose `is_cuda` is False: they run with every tensor reporting CUDA.
+CHECK_INPUTS_ON_CUDA = (
+    ("transformer_engine.pytorch.module.base", "TransformerEngineBaseModule", "prepare_forward"),
+    ("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention", "DotProductAttention",
+     "forward"),
+)
+TE_PACKAGES = ("transformer_engine.", "megatron.core.extensions.transformer_engine")
+
+
+class _NoNvtx:
+    @staticmethod
+    def range_push(msg):
+        return 0
+
+    @staticmethod
+    def range_pop():
+        return 0
+
+    @staticmethod
+    def range(msg, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
+class HopperOnCpu(CpuCuda):
+    """`torch.cuda` for TE on the CPU: one device, compute capability 9.0, no graphs, no NVTX."""
+
+    nvtx = _NoNvtx()
+
+    def __init__(self):
+        super().__init__(report_device=True)
+
+    def get_device_capability(self, device=None):
+        return COMPUTE_CAPABILITY
+
+    def get_device_properties(self, device=None):
+        major, minor = COMPUTE_CAPABILITY
+        return types.SimpleNamespace(name="CPU (Transformer Engine over CPU kernels)", major=major, minor=minor,
+                                     multi_processor_count=132, total_memory=0)
+
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    def empty_cache(self) -> None:
+        pass
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        return True
+
+
+def te_on_cpu_kernels() -> bool:
+    """Whether TE's Python is loaded over te_cpu's kernel module."""
+    return getattr(sys.modules.get("transformer_engine_torch"), "cpu_kernel_layer", False)
+
+
+@contextlib.contextmanager
+def tensors_report_cuda():
+    """While the block runs, every tensor answers `is_cuda` True (TE's modules check their input's, once per forward).
+
+    Like `cuda_calls_stay_on_cpu`, a change to torch confined to one wrapped call of TE's, undone when it exits."""
+    own = torch.Tensor.__dict__.get("is_cuda")  # None: the C base class's descriptor
+    torch.Tensor.is_cuda = property(lambda self: True)
+    try:
+        yield
+    finally:
+        if own is None:
+            del torch.Tensor.is_cuda
+        else:
+            torch.Tensor.is_cuda = own
+
+
+def _with_tensors_reporting_cuda(function):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        with tensors_report_cuda():
+            return function(*args, **kwargs)
+
+    return call
+
+
+class TeCpuBackend(MegatronPatch):
+    name = "cpu_backend_te"
+
+    def apply(self) -> None:
+        if not te_on_cpu_kernels():
+            raise PatchError("patch 'cpu_backend_te': Transformer Engine is not loaded over the CPU kernel layer")
+        cpu_torch = CpuTorch()
+        cpu_torch.cuda = HopperOnCpu()
+        for name, module in sorted(sys.modules.items()):
+            if name.startswith(TE_PACKAGES) and module is not None and module.__dict__.get("torch") is torch:
+                self.patches.replace(module, "torch", cpu_torch)
+        for module_name, class_name, method in CHECK_INPUTS_ON_CUDA:
+            owner = getattr(importlib.import_module(module_name), class_name)
+            self.patches.replace(owner, method, _with_tensors_reporting_cuda(getattr(owner, method)))
+        self._torch_optimizer_in_megatron()
+        # TE frees a tensor's storage by pointing its data at an empty CUDA tensor: an empty CPU one here.
+        self._replace_in_te(importlib.import_module("transformer_engine.pytorch.utils"), "_empty_tensor",
+                            lambda: torch.Tensor())
+
+    def _torch_optimizer_in_megatron(self) -> None:
+        """megatron binds TE's fused optimizers and multi-tensor kernels at import when TE imports; on the CPU it keeps
+        what it picks without TE and apex (torch's AdamW and SGD, its own multi-tensor loops), as before TE's Python
+        was installed: TE's optimizer kernels are not emulated."""
+        from megatron.core import utils
+
+        optimizer = importlib.import_module("megatron.core.optimizer")
+        optimizer_step = importlib.import_module("megatron.core.optimizer.optimizer")
+        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+        self.patches.replace(optimizer, "Adam", torch.optim.AdamW)
+        self.patches.replace(optimizer, "SGD", torch.optim.SGD)
+        self.patches.replace(optimizer, "USING_PYTORCH_OPTIMIZER", True)
+        for module in (optimizer_step, clip_grads):
+            self.patches.replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
+            self.patches.replace(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
+        self.patches.replace(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+        self.patches.replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
+
+    def _replace_in_te(self, source, attr: str, new) -> None:
+        """source.attr and every TE module's by-name binding of the same object."""
+        original = getattr(source, attr)
+        for name, module in sorted(sys.modules.items()):
+            if name.startswith(TE_PACKAGES) and module is not None and module.__dict__.get(attr) is original:
+                self.patches.replace(module, attr, new)
+
+
+install, uninstall, installed = module_functions(TeCpuBackend())
