@@ -260,7 +260,7 @@ def start_up_cases() -> dict[str, tuple[list[str], int]]:
     cases = {name: cpu_side_case(name) for name in EXAMPLES}
     mla = pretrain_argv(command_of(dry_run("deepseek_moe", MLA="1").stdout))
     cases["deepseek_moe MLA on local layers"] = ([word for word in mla if word != "--moe-grouped-gemm"]
-                                                 + ["--zero-bubble-cpu"], 8)
+                                                 + ["--zero-bubble-cpu", "--transformer-impl", "local"], 8)
     return cases
 
 

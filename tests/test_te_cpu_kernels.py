@@ -165,3 +165,43 @@ def test_a_missing_kernel_stops_the_run_in_one_line_naming_it_and_the_fix():
 def test_the_dtype_enumeration_has_the_members_tes_python_checks():
     assert set(extension.build().DType.__members__) == {"kByte", "kInt32", "kFloat32", "kFloat16", "kBFloat16",
                                                         "kFloat8E4M3", "kFloat8E5M2", "kFloat4E2M1"}
+
+
+def test_the_grouped_gemm_is_one_gemm_per_group_into_its_outputs_or_row_blocks_of_one():
+    from megatron.zero_bubble.te_cpu.gemm import te_general_grouped_gemm
+
+    weights, xs = [rand(8, 4), rand(8, 4)], [rand(3, 4), rand(5, 4)]
+    single = torch.zeros(8, 8)
+    no_bias = [torch.Tensor(), torch.Tensor()]
+    te_general_grouped_gemm(weights, True, xs, False, [single], DType.kFloat32, [3, 5], no_bias, DType.kBFloat16, True,
+                            no_bias, False, None, 0, False, False, 0)
+    torch.testing.assert_close(single, torch.cat([xs[0] @ weights[0].t(), xs[1] @ weights[1].t()]))
+    dys = [rand(3, 8), rand(5, 8)]
+    wgrads = [rand(8, 4), rand(8, 4)]
+    before = [w.clone() for w in wgrads]
+    bias_grads = [torch.empty(8), torch.empty(8)]
+    returned = te_general_grouped_gemm(xs, False, dys, True, wgrads, DType.kFloat32, [3, 5], bias_grads,
+                                       DType.kFloat32, False, no_bias, True, None, 0, True, False, 0)
+    for i in range(2):
+        torch.testing.assert_close(wgrads[i], before[i] + dys[i].t() @ xs[i])
+        torch.testing.assert_close(returned[i], dys[i].sum(0))
+    with pytest.raises(KernelNotOnCpu, match="GELU epilogue"):
+        te_general_grouped_gemm(weights, True, xs, False, [single], DType.kFloat32, [3, 5], no_bias, DType.kBFloat16,
+                                True, [torch.empty(3, 8), torch.empty(5, 8)], False, None, 0, False, False, 0)
+
+
+def test_the_softmax_kernels_mask_scale_and_differentiate_as_tes():
+    from megatron.zero_bubble.te_cpu import softmax
+
+    scores, dy = rand(2, 4, 4), rand(2, 4, 4)
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[:, 3] = True
+    torch.testing.assert_close(softmax.scaled_masked_softmax_forward(scores, mask, 0.5),
+                               torch.softmax((scores * 0.5).masked_fill(mask, -10000.0), -1))
+    causal = softmax.scaled_upper_triang_masked_softmax_forward(scores, 2.0)
+    assert torch.equal(causal.triu(1), torch.zeros_like(causal))
+    torch.testing.assert_close(causal.sum(-1), torch.ones(2, 4))
+    leaf = scores.clone().requires_grad_(True)
+    torch.softmax(leaf * 0.5, -1).backward(dy)
+    y = softmax.scaled_softmax_forward(scores, 0.5)
+    torch.testing.assert_close(softmax.softmax_backward(dy, y, 0.5), leaf.grad)

@@ -266,6 +266,7 @@ from megatron.zero_bubble.patches import uncompiled_import
 from megatron.zero_bubble.training.setup import prepare_process
 
 compile_before = torch.compile
+sys.argv[1:] = ["--transformer-impl", "local"]  # TE's own import brings torch's compiler in; megatron's must not
 prepare_process()  # what pretrain_gpt.py runs before its megatron imports
 import megatron.core.jit as jit
 from megatron.core.transformer.moe import router

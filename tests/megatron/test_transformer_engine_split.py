@@ -20,7 +20,7 @@ import torch
 
 from megatron.zero_bubble.patches import imports  # noqa: E402
 
-imports.install()  # on the CPU: TE's Python over the CPU kernel layer
+imports.install(transformer_engine=True)  # on the CPU: TE's Python over the CPU kernel layer
 te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine does not import here")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -87,26 +87,16 @@ def _grads(module) -> dict:
             for name, p in module.named_parameters()}
 
 
-def _skip_unless_supported(fuse: bool, kind: str = "") -> None:
+def _skip_unless_supported(fuse: bool) -> None:
     reason = te_wgrad.version_refusal(VERSION, fuse)
     if reason is not None:
         pytest.skip(reason)
-    if kind == "GroupedLinear" and DEVICE == "cpu":
-        pytest.skip("the CPU kernel layer has no grouped GEMM yet (tex.te_general_grouped_gemm)")
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "main_grad-fusion"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind, fuse, request):
-    _skip_unless_supported(fuse, kind)
-    if kind == "LayerNormMLP" and fuse:
-        # Found by running TE's own Python (the stand-in passes): with GELU and biases in full precision, TE's
-        # LayerNormMLP forms fc1's bias gradient in B and returns it to autograd, where megatron DDP's hook adds it
-        # into main_grad and clears .grad; its backward_dw then finds fc1_bias.grad None, pops the GEMM's entry for a
-        # bias gradient the GEMM never formed and fails (None.to). The split must hand backward_dw a bias gradient it
-        # will not accumulate again: open.
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AttributeError,
-                                              reason="TE's LayerNormMLP bias gradient formed in B, consumed by DDP"))
+def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind, fuse):
+    _skip_unless_supported(fuse)
     reference, split = _make(kind, fuse), _make(kind, fuse)
     for x, dy in _data(kind):
         _forward(reference, x).backward(dy)
@@ -128,7 +118,7 @@ def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bw_pass_on_switched_te_modules_is_their_fused_backward(kind):
-    _skip_unless_supported(True, kind)
+    _skip_unless_supported(True)
     reference, split = _make(kind, True), _make(kind, True)
     store = WeightGradStore("chunk 0")
     store.attach(split, _adapter())
@@ -141,8 +131,6 @@ def test_a_bw_pass_on_switched_te_modules_is_their_fused_backward(kind):
     assert [n for n in want if not torch.equal(want[n], got[n])] == []
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="TE's LayerNormMLP bias gradient formed in B, consumed by "
-                   "DDP (see the split test above)")
 def test_w_runs_in_b_order_and_reports_every_te_weight_and_bias_once():
     _skip_unless_supported(True)
     module = _make("LayerNormMLP", True)

@@ -24,20 +24,20 @@ def install(training: bool = False, force: bool = False) -> None:
     cpu_backend_core.install(force=force)
     cpu_backend_moe.install(force=force)
     cpu_backend_norm.install(force=force)
-    if cpu_backend_te.te_on_cpu_kernels():
-        cpu_backend_te.install()
     if training:
         from . import cpu_backend_training  # imports megatron.training: only when asked for
 
         cpu_backend_training.install(force=force)
+    if cpu_backend_te.te_on_cpu_kernels():  # last: megatron.training binds TE's kernels at its import too
+        cpu_backend_te.install("megatron.training" in sys.modules)
 
 
 def uninstall() -> None:
-    """Undo everything `install()` applied (the training-loop part first, the core part last)."""
+    """Undo everything `install()` applied (the Transformer Engine part first, the core part last)."""
+    cpu_backend_te.uninstall()
     training = sys.modules.get(f"{__package__}.cpu_backend_training")
     if training is not None:
         training.uninstall()
-    cpu_backend_te.uninstall()
     cpu_backend_norm.uninstall()
     cpu_backend_moe.uninstall()
     cpu_backend_core.uninstall()

@@ -86,7 +86,7 @@ class CoreCpuBackend(MegatronPatch):
             raise PatchError(
                 "CUDA is available: the CPU backend is for machines without a GPU (pass force=True to use it anyway)"
             )
-        imports.install()  # megatron.core must import before it can be patched
+        imports.ensure_installed()  # megatron.core must import before it can be patched
         see_cpu_as_cuda(self.patches, MODULES_SEEING_CPU_AS_CUDA, CpuTorch())
         self._patch_rng_tracker()
         self._patch_clip_grads()

@@ -104,7 +104,8 @@ def _with_tensors_reporting_cuda(function):
 class TeCpuBackend(MegatronPatch):
     name = "cpu_backend_te"
 
-    def apply(self) -> None:
+    def apply(self, with_training: bool = False) -> None:
+        """with_training: megatron.training is imported (its bindings of TE's kernels are replaced too)."""
         if not te_on_cpu_kernels():
             raise PatchError("patch 'cpu_backend_te': Transformer Engine is not loaded over the CPU kernel layer")
         cpu_torch = CpuTorch()
@@ -112,6 +113,9 @@ class TeCpuBackend(MegatronPatch):
         for name, module in sorted(sys.modules.items()):
             if name.startswith(TE_PACKAGES) and module is not None and module.__dict__.get("torch") is torch:
                 self.patches.replace(module, "torch", cpu_torch)
+        arguments = sys.modules.get("megatron.training.arguments")  # --moe-grouped-gemm asks the compute capability
+        if with_training and arguments is not None and arguments.__dict__.get("torch") is torch:
+            self.patches.replace(arguments, "torch", cpu_torch)
         for module_name, class_name, method in CHECK_INPUTS_ON_CUDA:
             owner = getattr(importlib.import_module(module_name), class_name)
             self.patches.replace(owner, method, _with_tensors_reporting_cuda(getattr(owner, method)))
@@ -122,21 +126,27 @@ class TeCpuBackend(MegatronPatch):
 
     def _torch_optimizer_in_megatron(self) -> None:
         """megatron binds TE's fused optimizers and multi-tensor kernels at import when TE imports; on the CPU it keeps
-        what it picks without TE and apex (torch's AdamW and SGD, its own multi-tensor loops), as before TE's Python
-        was installed: TE's optimizer kernels are not emulated."""
+        what it binds without TE and apex (torch's optimizers, its own multi-tensor loops), as before TE's Python was
+        installed: TE's optimizer kernels are not emulated. Modules not imported yet are left alone."""
         from megatron.core import utils
 
-        optimizer = importlib.import_module("megatron.core.optimizer")
-        optimizer_step = importlib.import_module("megatron.core.optimizer.optimizer")
-        clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
-        self.patches.replace(optimizer, "Adam", torch.optim.AdamW)
-        self.patches.replace(optimizer, "SGD", torch.optim.SGD)
-        self.patches.replace(optimizer, "USING_PYTORCH_OPTIMIZER", True)
-        for module in (optimizer_step, clip_grads):
-            self.patches.replace(module, "multi_tensor_applier", utils.local_multi_tensor_applier)
-            self.patches.replace(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
-        self.patches.replace(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
-        self.patches.replace(clip_grads, "multi_tensor_scale_tensor_impl", None)
+        local = {"multi_tensor_applier": utils.local_multi_tensor_applier,
+                 "multi_tensor_scale_impl": utils.local_multi_tensor_scale}
+        without_te = {
+            "megatron.core.optimizer": {"Adam": torch.optim.AdamW, "SGD": torch.optim.SGD,
+                                        "USING_PYTORCH_OPTIMIZER": True},
+            "megatron.core.optimizer.distrib_optimizer": {"Adam": torch.optim.Adam, "USING_TE_OPTIMIZER": False,
+                                                          "HAVE_APEX_OR_TE": False},
+            "megatron.core.optimizer.optimizer": local,
+            "megatron.core.optimizer.clip_grads": {**local, "l2_norm_impl": utils.local_multi_tensor_l2_norm,
+                                                   "multi_tensor_scale_tensor_impl": None},
+            "megatron.training.utils.common_utils": {"multi_tensor_applier": utils.local_multi_tensor_applier,
+                                                     "multi_tensor_l2norm": utils.local_multi_tensor_l2_norm},
+        }
+        for module_name, bindings in without_te.items():
+            module = sys.modules.get(module_name)
+            for name, value in bindings.items() if module is not None else ():
+                self.patches.replace(module, name, value)
 
     def _replace_in_te(self, source, attr: str, new) -> None:
         """source.attr and every TE module's by-name binding of the same object."""

@@ -7,7 +7,8 @@ Two shims, both additions rather than replacements (`PatchSet.add_module` and `P
   module with the three names its one importer reads (a block size and two kernels that raise) is put in
   `sys.modules` under that module's name. MoE paged stashing is never used on CPU.
 - on a machine without CUDA where Transformer Engine's Python is installed without its compiled extension, TE's
-  Python runs over the CPU kernel layer (te_cpu): its import hook goes in before megatron imports TE;
+  Python runs over the CPU kernel layer (te_cpu) when asked for (`install(transformer_engine=True)`), and is hidden
+  otherwise (megatron then runs as without TE); the import hook goes in before megatron imports TE;
 - `megatron/training/models/{base,gpt,hybrid}.py` use `typing.override` (Python 3.12+); on older Pythons
   it is aliased to `typing_extensions.override`.
 
@@ -35,11 +36,13 @@ class ImportShims(MegatronPatch):
 
     name = "imports"
 
-    def apply(self) -> None:
+    def apply(self, transformer_engine: bool = False) -> None:
+        """transformer_engine: on a machine without CUDA, load TE's Python over the CPU kernel layer (where it is
+        installed) rather than hide it (megatron's local layers, and TE's import spared)."""
         if TRITON_KERNEL_MODULE not in sys.modules and importlib.util.find_spec("triton") is None:
             self.patches.add_module(TRITON_KERNEL_MODULE, _triton_kernel_stub())
         if not torch.cuda.is_available():
-            te_cpu.install()  # TE's Python over CPU kernels, before megatron imports TE (where TE's Python is there)
+            te_cpu.install(hidden=not transformer_engine)  # before megatron imports TE
         if sys.version_info < (3, 12) and not hasattr(typing, "override"):
             import typing_extensions
 
@@ -65,3 +68,10 @@ def _triton_kernel_stub() -> types.ModuleType:
 
 
 install, uninstall, installed = module_functions(ImportShims())
+
+
+def ensure_installed() -> None:
+    """The shims as the process installed them (whether TE is loaded or hidden stays the entry point's choice), or
+    with their defaults where nothing installed them yet."""
+    if not installed():
+        install()

@@ -30,7 +30,8 @@ way: the store reports each parameter after its last microbatch's work (megatron
 pass megatron DDP's own hook for these parameters is kept quiet (it would find no gradient, or TE's placeholder, and
 count it ready; under --overlap-grad-reduce it asserts a gradient). What a B pass leaves in their `.grad` is taken
 out when the pass ends; a bias gradient formed in B is handed back to that entry's `backward_dw` (TE expects it
-there), a weight's (a placeholder, or GroupedLinear's unwritten buffer) is dropped.
+there; where megatron DDP's hook accumulated it during B already, a placeholder whose result is dropped), a
+weight's (a placeholder, or GroupedLinear's unwritten buffer) is dropped.
 
 The TE internals used beyond the documented option, and why: `module.wgrad_store` is replaced because the option
 is fixed when megatron builds the module (megatron's own `--delay-wgrad-compute` needs its combined-1F1B
@@ -39,13 +40,9 @@ must become W work of the microbatch as it is queued; the class's unbound `backw
 megatron's wrappers do nothing in theirs unless `--delay-wgrad-compute`; `.grad` is moved around B for the
 bias rule above.
 
-Versions (`version_refusal`): 2.3 to 2.20, whose sources were read: the deferral code of the 2.19 and 2.20
-releases line by line, the releases before through how that code changed from one to the next (every
-`backward_dw` and the code around each use of `wgrad_store`). 2.20 changed one thing there: the base class's
-`backward_dw` (`Linear`, `LayerNormLinear`) skips a bias gradient the GEMM did not give (TE #3400's guard);
-`LayerNormMLP`'s does not, so the hand-back of a bias gradient formed in B stays. A later release is refused until
-its deferral is read. Without gradient-accumulation fusion 2.8 on: before 2.8 `backward_dw` assigns `weight.grad`
-only where it is None; the split clears `.grad` before it runs, but keeps the floor it was written with.
+Versions (`version_refusal`): 2.3 to 2.20, whose sources were read (docs/transformer-engine.md says how, and what
+changed between them); a later release is refused until its deferral is read; without gradient-accumulation fusion
+2.8 on (before, `backward_dw` assigns `weight.grad` only where it is None).
 Refused (PatchError, one line naming the module or parameter): a TE module with a Userbuffers option (see
 `USERBUFFERS_IN_W`), and a parameter of a TE module that another module shares (tied): every B pass takes such a
 parameter's `.grad` aside, which would drop the other user's gradient. Not split (their W stays in B, which is
@@ -57,6 +54,7 @@ operation-based modules (`te.pytorch.ops`: `TEFusedMLP`, and `TEGroupedMLP` unde
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import sys
 from collections import deque
@@ -173,6 +171,8 @@ class ModuleWgradQueue:
         self._b_grads: dict[int, dict] = {}  # first entry of a B pass -> that pass's bias gradients
         self._pass_ends: deque = deque()  # one past the last entry of each B pass whose W has not finished
         self._summed: dict = {}  # the gradients backward_dw gave so far for the entries of the oldest such pass
+        self._formed_in_b: set = set()  # ids of the biases whose gradient the B pass now running formed
+        self._b_hooks: list = []
 
     # TE's contract (what its modules call)
     def delay_wgrad_compute(self) -> bool:
@@ -222,15 +222,24 @@ class ModuleWgradQueue:
         self._outside_b = {p: p.grad for p in self.held}
         for p in self.held:
             p.grad = None
+        # noted as autograd hands it over: megatron DDP's hook may accumulate it (and empty .grad) before B ends
+        self._formed_in_b.clear()
+        self._b_hooks = [p.register_hook(functools.partial(_note_formed, self._formed_in_b, p))
+                         for p in self.held if id(p) in self._biases]
 
     def end_b(self) -> None:
+        for hook in self._b_hooks:
+            hook.remove()
+        self._b_hooks = []
         produced = {p: p.grad for p in self.held if p.grad is not None and id(p) in self._biases}
+        # accumulated already, but TE's LayerNormMLP.backward_dw needs one in .grad: a placeholder, dropped after it
+        consumed = {p: _ACCUMULATED for p in self.held if id(p) in self._formed_in_b and p not in produced}
         for p in self.held:
             p.grad = self._outside_b.pop(p)
         if self.puts > self._first_of_b:
             self._pass_ends.append(self.puts)
-            if produced:
-                self._b_grads[self._first_of_b] = produced
+            if produced or consumed:
+                self._b_grads[self._first_of_b] = {**produced, **consumed}
         else:  # no W entry will come for them: accumulate as B would have
             for p, grad in produced.items():
                 _accumulate(p, grad)
@@ -249,7 +258,8 @@ class ModuleWgradQueue:
         from_b = self._b_grads.pop(self.pops, {})
         kept = {p: p.grad for p in self.held}
         for p in self.held:
-            p.grad = from_b.get(p)
+            given = from_b.get(p)
+            p.grad = torch.zeros_like(p) if given is _ACCUMULATED else given
         self._draining = True
         try:
             with torch.no_grad():  # saved activations may require grad; W is not differentiated
@@ -258,13 +268,22 @@ class ModuleWgradQueue:
             self._draining = False
         for p in self.held:
             new, p.grad = p.grad, kept[p]
-            if new is not None:
+            if new is not None and from_b.get(p) is not _ACCUMULATED:
                 self._summed[p] = new if p not in self._summed else self._summed[p] + new
         if self._pass_ends and self.pops >= self._pass_ends[0]:
             self._pass_ends.popleft()
             for p, grad in self._summed.items():
                 _accumulate(p, grad)
             self._summed.clear()
+
+
+_ACCUMULATED = object()  # a bias gradient B formed that megatron's hook accumulated in B already
+
+
+def _note_formed(formed: set, param, grad):
+    if grad is not None:  # autograd calls a leaf's hooks for an input the backward gave no gradient too
+        formed.add(id(param))
+    return grad
 
 
 def _accumulate(param, grad) -> None:

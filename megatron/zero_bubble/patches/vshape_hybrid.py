@@ -39,7 +39,7 @@ class VHybridSegments(MegatronPatch):
     def apply(self, stages: int) -> None:
         if not isinstance(stages, int) or stages < 2:
             raise PatchError(f"the V placement needs a pipeline of at least 2 ranks, got p={stages!r}")
-        imports.install()  # megatron.core must import without triton
+        imports.ensure_installed()  # megatron.core must import without triton
         allocation = importlib.import_module(ALLOCATION)
         self._megatron = self.patches.replace_everywhere(allocation, "select_pipeline_segment",
                                                          self.select_pipeline_segment)

@@ -192,7 +192,7 @@ class VShapePlacement(MegatronPatch):
         super().install(stages)
 
     def apply(self, stages: int) -> None:
-        imports.install()  # megatron.core must import without triton
+        imports.ensure_installed()  # megatron.core must import without triton
         parallel_state = importlib.import_module("megatron.core.parallel_state")
         self._refuse_existing_embedding_group(parallel_state)
         layer = importlib.import_module("megatron.core.transformer.transformer_layer")

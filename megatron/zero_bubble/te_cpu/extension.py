@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import types
 
-from . import activations, enums, norms
-from .gemm import generic_gemm
+from . import activations, enums, norms, softmax
+from .gemm import generic_gemm, te_general_grouped_gemm
 from .refusal import missing_kernel
 
 MODULE_NAME = "transformer_engine_torch"
@@ -48,7 +48,8 @@ def refusing_module(name: str, kernel_prefix: str = "") -> CpuKernelModule:
 def build() -> CpuKernelModule:
     module = CpuKernelModule(MODULE_NAME, "Transformer Engine's kernels in torch on the CPU (megatron-zero-bubble)")
     module.__file__ = __file__
-    contents = {**enums.ENUMS, **QUERIES, **norms.kernels(), **activations.kernels(), "generic_gemm": generic_gemm}
+    contents = {**enums.ENUMS, **QUERIES, **norms.kernels(), **activations.kernels(), **softmax.kernels(),
+                "generic_gemm": generic_gemm, "te_general_grouped_gemm": te_general_grouped_gemm}
     for name, value in contents.items():
         setattr(module, name, value)
     module.__all__ = sorted(contents)

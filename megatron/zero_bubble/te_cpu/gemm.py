@@ -91,3 +91,43 @@ def generic_gemm(A, transa, B, transb, D, quantizer, out_dtype, bias, bias_type,
     else:
         D.copy_(result)
     return [D, bias_grad, pre_gelu, None]
+
+
+def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bias_type, single_output, pre_gelu_out,
+                            grad, workspace, workspace_size, accumulate, use_split_accumulator, math_sm_count):
+    """One GEMM per group, as `generic_gemm` does each: D[i] = op(B[i]) @ op(A[i]) (+ bias[i], or bias[i] := the bias
+    gradient when `grad`), into D[i], or with `single_output` into consecutive row blocks of D[0]. An empty bias means
+    none; a GELU epilogue is refused. Returns the biases (the gradients when `grad`)."""
+    name = "te_general_grouped_gemm"
+    if any(t.numel() for t in pre_gelu_out):
+        raise refuse(name, "the GELU epilogue")
+    if D is None:
+        raise refuse(name, "outputs it would allocate itself (TE's Python passes them)")
+    dtype = torch_dtype(D_type)
+    row = 0
+    for i, (a, b) in enumerate(zip(A, B)):
+        _plain(name, "A", a), _plain(name, "B", b)
+        result = product(a, transa, b, transb)
+        if single_output:
+            rows = result.shape[0]
+            out = D[0][row:row + rows].view(result.shape)
+            row += rows
+        else:
+            out = D[i]
+        has_bias = bias[i].numel() != 0
+        if a.numel() == 0 or b.numel() == 0:  # TE zeroes the output (unless accumulating) and the bias gradient
+            if not accumulate:
+                out.zero_()
+            if has_bias and grad:
+                bias[i].zero_()
+            continue
+        if accumulate:
+            result = result + out.float()
+        if has_bias and grad:
+            bias[i].copy_(_as_2d(b).float().sum(dim=0))
+        elif has_bias:
+            result = result + bias[i].float()
+        if out.dtype != dtype:
+            raise ValueError(f"te_general_grouped_gemm: output dtype {out.dtype}, expected {dtype}")
+        out.copy_(result)
+    return bias

@@ -81,7 +81,12 @@ class _TritonKernelsLoader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    hidden = False  # TE not wanted in this process: it imports as if not installed
+
     def find_spec(self, name, path, target=None):
+        if self.hidden and name.split(".")[0] in ("transformer_engine", "transformer_engine_torch"):
+            raise ModuleNotFoundError(f"No module named {name!r} (Transformer Engine is hidden on the CPU: megatron's "
+                                      f"local layers were asked for)", name=name)
         if name == TRITON_KERNELS or name.startswith(TRITON_KERNELS + "."):
             return importlib.util.spec_from_loader(name, _TritonKernelsLoader(), is_package=True)
         if name != COMMON:
@@ -95,17 +100,20 @@ class _Finder(importlib.abc.MetaPathFinder):
 _FINDER = _Finder()
 
 
-def install() -> bool:
+def install(hidden: bool = False) -> bool:
     """Install the hook where TE's Python is there without its extension; True when TE will run on CPU kernels.
 
-    Must run before anything imports transformer_engine (megatron-core does, at its own import)."""
+    hidden: TE imports as if it were not installed (megatron then binds what it binds without TE, and the process is
+    spared TE's import), for processes that run megatron's local layers. Must run before anything imports
+    transformer_engine (megatron-core does, at its own import)."""
     if te_python_version() is None or te_extension_installed():
         return False
     if "transformer_engine" in sys.modules and not installed():
         raise RuntimeError("Transformer Engine was imported before its CPU kernel layer was installed")
+    _FINDER.hidden = hidden
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
-    return True
+    return not hidden
 
 
 def installed() -> bool:

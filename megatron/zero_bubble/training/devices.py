@@ -46,6 +46,17 @@ _APEX_DEFAULTS = {"--no-persist-layer-norm": lambda args: not args.no_persist_la
                   "--no-gradient-accumulation-fusion": lambda args: args.gradient_accumulation_fusion}
 
 
+def transformer_engine_asked_for(argv) -> bool:
+    """Whether the command line leaves megatron's default layers, Transformer Engine's, in place (no `--transformer-impl
+    local`): read before megatron is imported, which decides on the CPU whether TE's Python is loaded or hidden."""
+    for i, word in enumerate(argv):
+        value = word.partition("=")[2] if word.startswith("--transformer-impl=") else (
+            argv[i + 1] if word == "--transformer-impl" and i + 1 < len(argv) else None)
+        if value is not None:
+            return value != "local"
+    return True
+
+
 def check_gpu_kernels(args, apex: bool | None = None, transformer_engine: bool | None = None) -> None:
     """On CUDA: the layer implementation asked for is installed, and megatron's local layers are not asked for apex's
     kernels where apex is missing (`apex`, `transformer_engine`: whether installed; default: look)."""

@@ -35,12 +35,12 @@ def prepare_process() -> None:
     gc.freeze()
     from ..patches import imports, prebuilt_helpers
     from ..patches.uncompiled_import import uncompiled_import
-    from .devices import hide_gpus_if_asked
+    from .devices import hide_gpus_if_asked, transformer_engine_asked_for
 
     hide_gpus_if_asked(sys.argv)  # before torch asks CUDA for its devices
     cpu = not torch.cuda.is_available()
 
-    imports.install()
+    imports.install(transformer_engine=cpu and transformer_engine_asked_for(sys.argv))
     with uncompiled_import() if cpu else contextlib.nullcontext():
         prebuilt_helpers.install()  # imports megatron.training (and with it megatron-core's models and fusions)
     if cpu:

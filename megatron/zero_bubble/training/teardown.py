@@ -91,14 +91,17 @@ def forget_megatron_groups() -> None:
 
 
 def clear_megatron_method_caches() -> None:
-    """Empty the functools caches on megatron's classes. A method memoized at class level keeps every `self` it was
-    called on for the life of the process: megatron-core 0.19.2's `RotaryEmbedding.forward` (and YaRN's) keeps the
-    rotary module, which keeps its context-parallel group, so every run with rotary positions would end with that
-    group's threads alive."""
+    """Empty the functools caches on megatron's classes, and on Transformer Engine's functions and classes. A method
+    memoized at class level keeps every `self` it was called on for the life of the process: megatron-core 0.19.2's
+    `RotaryEmbedding.forward` (and YaRN's) keeps the rotary module, which keeps its context-parallel group, so every
+    run with rotary positions would end with that group's threads alive. TE memoizes functions of a group
+    (`get_distributed_world_size`, `get_distributed_rank`), which keep every group a TE module was built with."""
     for name, module in list(sys.modules.items()):
-        if not name.startswith("megatron.") or module is None:
+        if not name.startswith(("megatron.", "transformer_engine.")) or module is None:
             continue
         for value in list(vars(module).values()):
+            if name.startswith("transformer_engine.") and callable(getattr(value, "cache_clear", None)):
+                value.cache_clear()
             if isinstance(value, type) and value.__module__ == name:
                 for attribute in vars(value).values():
                     if callable(getattr(attribute, "cache_clear", None)):
