@@ -1,7 +1,7 @@
 # shellcheck shell=bash disable=SC2178  # (SC2178: the namerefs below name arrays)
 # What every example script shares; sourced by examples/*.sh, not run on its own.
 #
-#   tiny                      true when TINY=1: the same model shrunk to CPU sizes (gloo, local layers)
+#   tiny                      true when TINY=1: the same model shrunk to CPU sizes (gloo, the same layers)
 #   is_mock VALUE             true for an empty value or MOCK (a positional argument left out)
 #   tokenizer_args A TOK V    appends to array A: NullTokenizer of V tokens for MOCK, else the Hugging Face tokenizer TOK
 #   data_args A DATA          appends mock data for MOCK, else megatron's indexed dataset with the prefix DATA
@@ -21,9 +21,11 @@ tiny() { [ "${TINY:-0}" = 1 ]; }
 
 is_mock() { [ -z "$1" ] || [ "$1" = MOCK ]; }
 
-# The CPU mode's device flags: --zero-bubble-cpu hides the GPUs; megatron's local layers without apex's kernels.
+# The CPU mode's device flags: --zero-bubble-cpu hides the GPUs and trains with gloo, without apex's kernels. The layers
+# stay megatron's default, Transformer Engine's: on the CPU its own Python over this package's labelled CPU kernels
+# (scripts/install.sh installs it; without it, megatron's local layers).
 # shellcheck disable=SC2034  # used by the scripts that source this file
-CPU_ARGS=(--zero-bubble-cpu --distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
+CPU_ARGS=(--zero-bubble-cpu --distributed-backend gloo --no-gradient-accumulation-fusion
           --no-persist-layer-norm --no-masked-softmax-fusion --num-workers 0)
 
 tokenizer_args() {  # tokenizer_args ARRAY TOKENIZER_MODEL VOCAB_SIZE_FOR_MOCK: appends to the array named ARRAY

@@ -14,9 +14,8 @@
 #
 # The model: 28 layers of hidden 2048; every layer but the first routes each token to 6 of 64 small experts (FFN
 # 1408) beside 2 always-active shared experts (one shared MLP of 2816); the first layer is a dense FFN of 10944.
-# MLA=1 (GPU only): multi-latent attention as in DeepSeek-V2-Lite. It needs Transformer Engine's attention:
-# megatron-core 0.19.2's local layers cannot build it, so pretrain_gpt.py refuses it with --transformer-impl local,
-# and the tiny mode (local layers) leaves it out and says so. It has not been run with the zero-bubble schedules.
+# MLA=1: multi-latent attention as in DeepSeek-V2-Lite. It needs Transformer Engine's layers: megatron-core 0.19.2's
+# local layers cannot build it, so pretrain_gpt.py refuses it with --transformer-impl local. It has not run on a GPU.
 #
 # Why ZB-2p: here memory is to spare. The experts dominate the weights (a rank holds 32 of each layer's 64, about
 # 1.8B parameters: some 32 GB with gradients and Adam state), while a microbatch of a stage's 7 layers at sequence
@@ -72,12 +71,10 @@ MOE_ARGS=(
   --moe-router-pre-softmax  # gates: a softmax over all experts, then the top k (not renormalised)
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
   --moe-token-dispatcher-type alltoall
+  --moe-grouped-gemm  # Transformer Engine's grouped GEMM: a rank's experts in one kernel
 )
-# Transformer Engine's grouped GEMM runs a rank's experts in one kernel; the CPU has no such kernel (refused there)
-GPU_ONLY_ARGS=(--moe-grouped-gemm)
 if [ "$MLA" = 1 ]; then  # DeepSeek-V2-Lite's attention: keys and values through a rank-512 latent
-  GPU_ONLY_ARGS+=(--multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64
-                  --v-head-dim 128)
+  MOE_ARGS+=(--multi-latent-attention --kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128)
 fi
 
 TRAINING_ARGS=(
@@ -103,15 +100,11 @@ data_args DATA_ARGS "$DATA_PATH"
 EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS")
 output_args EVAL_AND_LOGGING_ARGS "$CHECKPOINT_PATH" "$TENSORBOARD_LOGS_PATH" "$EVAL_INTERVAL"
 
-if tiny; then
-  DEVICE_ARGS=("${CPU_ARGS[@]}")
-  echo "tiny: left out (they need Transformer Engine, so a GPU): ${GPU_ONLY_ARGS[*]}"
-else
-  DEVICE_ARGS=("${GPU_ONLY_ARGS[@]}")
-fi
+DEVICE_ARGS=()
+tiny && DEVICE_ARGS=("${CPU_ARGS[@]}")
 
 echo "deepseek_moe: DeepSeekMoE 16B-shaped ($NUM_LAYERS layers, $EXPERTS experts top-$TOPK + shared," \
-  "$([ "$MLA" = 1 ] && ! tiny && echo multi-latent || echo multi-head) attention)$(tiny && echo ' at CPU size');" \
+  "$([ "$MLA" = 1 ] && echo multi-latent || echo multi-head) attention)$(tiny && echo ' at CPU size');" \
   "TP $TP x PP $PP x DP $((WORLD / (TP * PP))) (EP $EP) on $WORLD processes; schedule zb-auto, limit 2p"
 launch "$NPROC_PER_NODE" "${GPT_MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
   "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "${DEVICE_ARGS[@]}"

@@ -63,9 +63,8 @@ MOE_ARGS=(  # 8 SwiGLU experts per layer (each of the dense FFN's size), top-2 r
   --num-experts 8 --moe-router-topk 2
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
   --moe-token-dispatcher-type alltoall
+  --moe-grouped-gemm  # Transformer Engine's grouped GEMM: a rank's experts in one kernel
 )
-# Transformer Engine's grouped GEMM runs a rank's experts in one kernel; the CPU has no such kernel (refused there)
-GPU_ONLY_ARGS=(--moe-grouped-gemm)
 
 TRAINING_ARGS=(
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
@@ -90,12 +89,8 @@ data_args DATA_ARGS "$DATA_PATH"
 EVAL_AND_LOGGING_ARGS=(--log-interval 1 --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS")
 output_args EVAL_AND_LOGGING_ARGS "$CHECKPOINT_PATH" "$TENSORBOARD_LOGS_PATH" "$EVAL_INTERVAL"
 
-if tiny; then
-  DEVICE_ARGS=("${CPU_ARGS[@]}")
-  echo "tiny: left out (they need Transformer Engine, so a GPU): ${GPU_ONLY_ARGS[*]}"
-else
-  DEVICE_ARGS=("${GPU_ONLY_ARGS[@]}")
-fi
+DEVICE_ARGS=()
+tiny && DEVICE_ARGS=("${CPU_ARGS[@]}")
 
 echo "mixtral_8x7b: Mixtral 8x7B ($NUM_LAYERS layers, 8 experts top-2, sequence $SEQ_LENGTH)$(tiny && echo ' at CPU size');" \
   "TP $TP x PP $PP x DP $((WORLD / (TP * PP))) (EP $EP) on $WORLD processes; schedule zb-auto, memory limit auto"

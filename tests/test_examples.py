@@ -32,7 +32,7 @@ EXAMPLES = ("llama3_8b", "gpt3_175b", "mixtral_8x7b", "deepseek_moe")
 # Every knob an example reads from the environment (examples/*.sh headers, examples/common.sh)
 KNOBS = ("TINY", "DRY_RUN", "ARGS_FILE", "EXTRA_ARGS", "TP", "PP", "EP", "VPP", "MLA", "MICRO_BATCH", "GLOBAL_BATCH",
          "TRAIN_ITERS", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN")
-CPU_FLAGS = {"--zero-bubble-cpu": True, "--distributed-backend": "gloo", "--transformer-impl": "local",
+CPU_FLAGS = {"--zero-bubble-cpu": True, "--distributed-backend": "gloo",
              "--no-gradient-accumulation-fusion": True, "--no-persist-layer-norm": True,
              "--no-masked-softmax-fusion": True, "--num-workers": "0"}
 # Flags whose value the tiny mode shrinks (sizes, layout, length of the run); every other flag keeps its value.
@@ -44,9 +44,6 @@ SHRUNK = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention
           "--expert-model-parallel-size", "--zero-bubble-max-pending-backward",
           "--zero-bubble-pipeline-timers-start-iter", "--zero-bubble-pipeline-timers-end-iter",
           "--zero-bubble-ilp-time-limit", "--nproc-per-node", "--nnodes"}
-# What the tiny mode may leave out, each because pretrain_gpt.py refuses it on the CPU (Transformer Engine only)
-GPU_ONLY = {"--moe-grouped-gemm", "--multi-latent-attention", "--kv-lora-rank", "--qk-head-dim",
-            "--qk-pos-emb-head-dim", "--v-head-dim"}
 
 
 # ---------------------------------------------------------------- dry runs
@@ -165,11 +162,10 @@ def test_full_size_commands_give_megatron_the_published_shape_layout_and_schedul
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_the_tiny_mode_keeps_every_flag_but_the_sizes_and_adds_the_cpu_flags(name):
+    """Its layers too: megatron's default, Transformer Engine's (on the CPU over the labelled kernel layer)."""
     full, tiny = flags_of(name), flags_of(name, TINY="1")
-    announced = re.search(r"^tiny: left out \(.*\): (.*)$", dry_run(name, TINY="1").stdout, re.M)
-    left_out = set(announced.group(1).split()) & set(full) if announced else set()
-    assert left_out <= GPU_ONLY
-    assert set(tiny) == (set(full) - left_out) | set(CPU_FLAGS)
+    assert "--transformer-impl" not in tiny
+    assert set(tiny) == set(full) | set(CPU_FLAGS)
     for flag, value in CPU_FLAGS.items():
         assert tiny[flag] == value
     kept = {flag: value for flag, value in full.items() if flag in tiny and flag not in SHRUNK}
@@ -181,15 +177,13 @@ def test_the_tiny_mode_keeps_every_flag_but_the_sizes_and_adds_the_cpu_flags(nam
         assert int(tiny["--expert-model-parallel-size"]) == 2 and dp % 2 == 0
 
 
-def test_multi_latent_attention_is_added_at_full_size_and_left_out_of_the_tiny_mode_saying_so():
+def test_multi_latent_attention_is_added_at_full_size_and_kept_in_the_tiny_mode():
     full = flags_of("deepseek_moe", MLA="1")
     assert full["--multi-latent-attention"] is True and full["--kv-lora-rank"] == "512"
     tiny = dry_run("deepseek_moe", TINY="1", MLA="1")
     assert tiny.returncode == 0, tiny.stderr
-    assert "--multi-latent-attention" not in flag_values(command_of(tiny.stdout))
-    assert re.search(r"^tiny: left out \(they need Transformer Engine, so a GPU\): .*--multi-latent-attention",
-                     tiny.stdout, re.M)
-    assert "multi-head attention) at CPU size" in tiny.stdout
+    assert flag_values(command_of(tiny.stdout))["--multi-latent-attention"] is True
+    assert "multi-latent attention) at CPU size" in tiny.stdout
 
 
 @pytest.mark.parametrize("name, positional, expected", [
@@ -249,10 +243,10 @@ def test_args_file_holds_the_arguments_of_the_dry_run_one_per_line(name, tmp_pat
 
 
 def cpu_side_case(name: str) -> tuple[list[str], int]:
-    """A full-size command for the start-up checks on this CPU machine: its Transformer Engine-only flags left out
-    (the CPU refuses them; their own case below) and --zero-bubble-cpu added; the world size it launches."""
+    """A full-size command for the start-up checks on this CPU machine (--zero-bubble-cpu added); the world size it
+    launches."""
     flags = flag_values(command_of(dry_run(name).stdout))
-    argv = [word for word in pretrain_argv(command_of(dry_run(name).stdout)) if word not in GPU_ONLY]
+    argv = pretrain_argv(command_of(dry_run(name).stdout))
     return argv + ["--zero-bubble-cpu"], int(flags["--nproc-per-node"]) * int(flags["--nnodes"])
 
 

@@ -16,7 +16,7 @@ import math
 import warnings
 
 from ..training.checks import _virtual_stages
-from ..training.flags import CPU_DEFAULTS, ON_CPU, StartupRefusal, add_zero_bubble_flags, refuse_argparse_error
+from ..training.flags import ON_CPU, StartupRefusal, add_zero_bubble_flags, cpu_defaults, refuse_argparse_error
 from .run import Kernels, LayerPlacement, ModelShape, Moe, Numerics, ParallelLayout, Recompute, Run
 
 GPT2_VOCAB = 50257  # GPT2BPETokenizer's vocabulary (its vocab.json), what megatron pads for that tokenizer
@@ -55,7 +55,7 @@ def megatron_parser(on_cpu: bool) -> argparse.ArgumentParser:
     add_zero_bubble_flags(parser)
     parser.error = refuse_argparse_error
     if on_cpu:
-        parser.set_defaults(**CPU_DEFAULTS)
+        parser.set_defaults(**cpu_defaults())  # the layers pretrain_gpt.py trains on this machine
     return parser
 
 

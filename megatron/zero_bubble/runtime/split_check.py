@@ -26,7 +26,7 @@ rank 0 (`zero-bubble: split check: ...`), or raises `SplitCheckFailed` with one 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -52,6 +52,7 @@ class RankResult:
     seconds: float
     mismatch: str | None = None  # the first differing gradient, in words
     noise: float | None = None  # relative run-to-run difference of the fused backward (None: reproducible)
+    kinds: dict = field(default_factory=dict)  # class name of each layer split -> how many
 
 
 @dataclass
@@ -86,6 +87,7 @@ class SplitCheck:
         perturb = Faults(self.faults, result.rank).split_mismatch
         try:
             for run in runs:
+                _count_split_layers(chunks[run.chunk], stores[run.chunk], result)
                 self._check_chunk(compute, stores[run.chunk], names(chunks[run.chunk]), run, rewind, saved, result,
                                   perturb)
                 if self.agree(result.mismatch is not None):  # every rank stops at the same chunk
@@ -112,8 +114,6 @@ class SplitCheck:
         fused, split = one(split=False), one(split=True)
         if perturb:  # the injected fault: this rank's split differs, its peers' not
             split = _perturbed(split)
-        deferred = {id(p) for p in store.weights}
-        result.deferred_layers += len({name.rsplit(".", 1)[0] for name, p in named.items() if id(p) in deferred})
         result.compared += len(fused)
         first = _first_difference(fused, split)
         if not self.agree(first is not None):
@@ -147,9 +147,23 @@ class SplitCheck:
         how = "bit-identical" if not noisy else (
             f"within {NOISE_FACTOR:g}x of megatron's own run-to-run difference (relative {max(noisy):.1g}: its fused "
             f"backward is not bit-reproducible here)")
+        kinds: dict = {}
+        for r in results:
+            for kind, count in r.kinds.items():
+                kinds[kind] = kinds.get(kind, 0) + count
         self.log(f"zero-bubble: split check: passed, {sum(r.deferred_layers for r in results)} layers split into B and W "
-                 f"on {len(results)} ranks ({sum(r.compared for r in results)} parameter gradients compared, fused "
-                 f"and split {how}), {max(r.seconds for r in results):.2f} s")
+                 f"on {len(results)} ranks ({', '.join(f'{count} {kind}' for kind, count in sorted(kinds.items()))}; "
+                 f"{sum(r.compared for r in results)} parameter gradients compared, fused and split {how}), "
+                 f"{max(r.seconds for r in results):.2f} s")
+
+
+def _count_split_layers(chunk, store, result: RankResult) -> None:
+    """The layers of `chunk` whose weight gradients `store` defers, counted by class (megatron's or TE's names)."""
+    deferred = {id(p) for p in store.weights}
+    for module in chunk.modules():
+        if any(id(p) in deferred for p in module.parameters(recurse=False)):
+            result.deferred_layers += 1
+            result.kinds[type(module).__name__] = result.kinds.get(type(module).__name__, 0) + 1
 
 
 def any_rank(found: bool) -> bool:

@@ -18,6 +18,7 @@ joins its workers, so a worker that still needs the GIL gets it.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -100,7 +101,7 @@ def clear_megatron_method_caches() -> None:
         if not name.startswith(("megatron.", "transformer_engine.")) or module is None:
             continue
         for value in list(vars(module).values()):
-            if name.startswith("transformer_engine.") and callable(getattr(value, "cache_clear", None)):
+            if name.startswith("transformer_engine.") and isinstance(value, functools._lru_cache_wrapper):
                 value.cache_clear()
             if isinstance(value, type) and value.__module__ == name:
                 for attribute in vars(value).values():
