@@ -211,3 +211,19 @@ def test_the_kernel_module_has_the_names_tes_python_uses_and_no_others():
     tex = extension.build()
     assert hasattr(tex, "generic_gemm") and hasattr(tex, "fused_attn_fwd")  # implemented; named by TE, refusing
     assert not hasattr(tex, "cache_clear")  # a probe for a name TE never uses finds nothing, as on TE's extension
+
+
+def test_te_layers_on_the_cpu_without_tes_python_are_refused_naming_the_install(monkeypatch):
+    import argparse
+
+    from megatron.zero_bubble.training import checks
+    from megatron.zero_bubble.training.flags import StartupRefusal
+
+    monkeypatch.setattr(checks, "te_python_version", lambda: None)
+    monkeypatch.setattr(checks, "cuda_available", lambda: False)
+    args = argparse.Namespace(distributed_backend="gloo", transformer_impl="transformer_engine", num_experts=None,
+                              add_bias_linear=True, data_path=None, train_data_path=None, valid_data_path=None,
+                              test_data_path=None, data_args_path=None, per_split_data_args_path=None, mock_data=True)
+    with pytest.raises(StartupRefusal, match=r"needs Transformer Engine's Python \(pip install --no-deps "
+                                             r"transformer-engine==2.20.2 onnxscript einops\); or use --transformer-impl local"):
+        checks.check_without_zero_bubble(args)
