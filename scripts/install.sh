@@ -33,11 +33,19 @@ fi
 # CPU kernel layer (docs/transformer-engine.md). Only its Python wheel, without dependencies (the CUDA core library and
 # the compiled extension are other packages), and what its Python imports. A TE with its extension (a GPU install) is
 # never touched.
+# The suite also runs the split on one release of each other line of that page's version table (TE_RELEASES, each in
+# .te-releases/RELEASE, put on PYTHONPATH by the test that uses it).
+TE_RELEASES=${TE_RELEASES:-2.5.0 2.12.0 2.19.0}
 if "$PY" -c "import sys, torch; sys.exit(torch.cuda.is_available())" \
-   && ! "$PY" -c "import importlib.metadata as m; m.version('transformer-engine-torch')" 2>/dev/null \
-   && ! "$PY" -c "import importlib.metadata as m; assert m.version('transformer-engine') == '${TE_VERSION}'" 2>/dev/null; then
-  pip_install --no-deps "transformer-engine==${TE_VERSION}"
-  pip_install onnxscript einops "$TORCH_PIN"
+   && ! "$PY" -c "import importlib.metadata as m; m.version('transformer-engine-torch')" 2>/dev/null; then
+  if ! "$PY" -c "import importlib.metadata as m; assert m.version('transformer-engine') == '${TE_VERSION}'" 2>/dev/null; then
+    pip_install --no-deps "transformer-engine==${TE_VERSION}"
+    pip_install onnxscript einops "$TORCH_PIN"
+  fi
+  for release in $TE_RELEASES; do
+    [ -d ".te-releases/$release/transformer_engine" ] ||
+      pip_install --no-deps --target ".te-releases/$release" "transformer-engine==$release"
+  done
 fi
 # The package with its declared dependencies (pyproject.toml) and pytest; the pin keeps the torch we have.
 pip_install -e ".[test]" "$TORCH_PIN"

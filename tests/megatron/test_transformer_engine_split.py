@@ -12,7 +12,9 @@ bias rules) is TE's and the arithmetic the kernel layer's; on a GPU both are TE'
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -91,6 +93,14 @@ def _skip_unless_supported(fuse: bool) -> None:
     reason = te_wgrad.version_refusal(VERSION, fuse)
     if reason is not None:
         pytest.skip(reason)
+
+
+def test_the_release_under_test_is_the_one_asked_for():
+    """test_te_releases.py runs this file on another release's Python (on PYTHONPATH): it must be the one imported."""
+    asked = os.environ.get("ZB_TE_RELEASE_UNDER_TEST")
+    if asked is None:
+        pytest.skip("the installed release is under test (ZB_TE_RELEASE_UNDER_TEST names another)")
+    assert VERSION == asked and importlib.metadata.version("transformer-engine") == asked
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "main_grad-fusion"])

@@ -5,8 +5,8 @@
     cpu_backend.install(training=True)  # also Megatron's training loop (imports megatron.training)
 
 The patches live in cpu_backend_core.py, cpu_backend_moe.py (MoE layers), cpu_backend_norm.py (the local
-spec's norm under sequence parallelism) and cpu_backend_training.py (one PatchSet each), on top of the
-import shims in imports.py; `uninstall()` restores every replaced attribute. On a machine with CUDA,
+spec's norm under sequence parallelism), cpu_backend_training.py and, where Transformer Engine's Python runs over
+the CPU kernel layer (te_cpu), cpu_backend_te.py (one PatchSet each), on top of the import shims in imports.py; `uninstall()` restores every replaced attribute. On a machine with CUDA,
 `install()` raises PatchError unless `force=True`: GPU runs must not use it.
 """
 from __future__ import annotations

@@ -5,8 +5,10 @@ TE's modules check `torch.cuda.is_available()`, place tensors on `torch.cuda.cur
 ask for the device's compute capability (which decides what TE supports, FP8 among it) and open streams and NVTX
 ranges. Every module of `transformer_engine` that is loaded when this installs, and megatron's
 `megatron.core.extensions.transformer_engine*`, gets a `CpuTorch` for its global `torch` whose `cuda` answers as one
-Hopper GPU (compute capability 9.0, the GPU most users train on) that is the CPU. torch itself is not changed.
-Installs only where TE runs on the CPU kernel layer (te_cpu), never over a real TE.
+Hopper GPU (compute capability 9.0, the GPU most users train on) that is the CPU. torch itself is not changed, but
+for the duration of the TE methods that check their inputs' `is_cuda` (`CHECK_INPUTS_ON_CUDA`). TE frees storages by
+pointing them at an empty tensor of its own: a CPU one here. And megatron keeps its own optimizer and multi-tensor
+loops (it binds TE's when TE imports). Installs only where TE runs on the CPU kernel layer, never over a real TE.
 """
 from __future__ import annotations
 
@@ -96,9 +98,26 @@ def _with_tensors_reporting_cuda(function):
     @functools.wraps(function)
     def call(*args, **kwargs):
         with tensors_report_cuda():
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
+        if hasattr(result, "__enter__") and not torch.is_tensor(result):  # a context manager (TE before 2.x)
+            return _EnteredReportingCuda(result)
+        return result
 
     return call
+
+
+class _EnteredReportingCuda:
+    """A context manager of TE's whose entry checks `is_cuda` (`prepare_forward` in older releases)."""
+
+    def __init__(self, manager):
+        self.manager = manager
+
+    def __enter__(self):
+        with tensors_report_cuda():
+            return self.manager.__enter__()
+
+    def __exit__(self, *exc):
+        return self.manager.__exit__(*exc)
 
 
 class TeCpuBackend(MegatronPatch):

@@ -6,7 +6,8 @@ CPU, for `--zero-bubble-cpu` runs and the test suite, where TE's Python is insta
 
 - loader.py: the import hook that puts it in front of TE, before anything imports TE;
 - extension.py: the module itself; a kernel it lacks stops the run in one line naming it (refusal.py);
-- gemm.py, norms.py, activations.py: the kernels, each honouring its arguments or refusing them.
+- gemm.py (the GEMM and the grouped GEMM), norms.py, activations.py, softmax.py: the kernels, each honouring its
+  arguments or refusing them.
 
 The numbers are the CPU's, not a GPU's: these kernels are TE's in what they take and return, not in their rounding.
 A GPU install (TE with its extension) is never touched.

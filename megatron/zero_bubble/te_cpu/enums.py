@@ -95,6 +95,8 @@ class NVTE_Fused_Attn_Backend(enum.IntEnum):
 NVTERoutingMapFormat = enum.IntEnum("NVTERoutingMapFormat", ["BYTEMAP", "BITMAP_U8"], start=0)
 NVTEQBHistogramMode = enum.IntEnum("NVTEQBHistogramMode", ["TWO_KERNEL", "FUSED_ATOMIC"], start=0)
 
+# Enumerations whose members TE's Python checks whole (2.20's constants.py against DType): never extended.
+CLOSED = frozenset({"DType"})
 ENUMS = {e.__name__: e for e in (DType, FP8FwdTensors, FP8BwdTensors, NVTEScalingMode, CommOverlapType,
                                 CommOverlapAlgo, NVTE_QKV_Format, NVTE_QKV_Layout, NVTE_Bias_Type, NVTE_Mask_Type,
                                 NVTE_Softmax_Type, NVTE_Fused_Attn_Backend, NVTERoutingMapFormat,

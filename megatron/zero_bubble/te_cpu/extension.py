@@ -6,6 +6,7 @@ line naming it (refusal.py).
 """
 from __future__ import annotations
 
+import enum
 import functools
 import importlib.util
 import re
@@ -46,18 +47,45 @@ class CpuKernelModule(types.ModuleType):
 
 
 @functools.lru_cache(maxsize=None)
+def _te_sources() -> str:
+    spec = importlib.util.find_spec("transformer_engine")  # located, not imported
+    root = Path(spec.origin).parent / "pytorch"
+    return "\n".join(path.read_text(errors="replace") for path in sorted(root.rglob("*.py")))
+
+
+@functools.lru_cache(maxsize=None)
 def names_te_uses() -> frozenset:
     """Every name of `transformer_engine_torch` that the installed TE's Python refers to (`tex.NAME`, or imported
     from it): read from its sources once, so that the layer follows the release installed."""
-    spec = importlib.util.find_spec("transformer_engine")  # located, not imported
-    root = Path(spec.origin).parent / "pytorch"
+    return frozenset(re.findall(r"\btex\.(\w+)", _te_sources())) | _imported_names()
+
+
+@functools.lru_cache(maxsize=None)
+def _imported_names() -> frozenset:
+    """The names TE's Python imports from transformer_engine_torch by name (`from transformer_engine_torch import X`)."""
     names = set()
-    for path in root.rglob("*.py"):
-        text = path.read_text(errors="replace")
-        names.update(re.findall(r"\btex\.(\w+)", text))
-        for imported in re.findall(r"from transformer_engine_torch import \(?([\w\s,]+)\)?", text):
-            names.update(word for word in re.split(r"[\s,]+", imported) if word and word != "as")
+    for imported in re.findall(r"from transformer_engine_torch import \(?([\w\s,]+)\)?", _te_sources()):
+        names.update(word for word in re.split(r"[\s,]+", imported) if word and word != "as")
     return frozenset(names)
+
+
+def enumerations() -> dict:
+    """The enumerations the installed release uses: ours (enums.py), each with the members its Python names added
+    (releases differ: 2.12's fused-attention backends include NVTE_F16_max512_seqlen), and one made for each other
+    name it reads members of (2.5's Float8BlockScaleTensorFormat)."""
+    text, made = _te_sources(), {}
+    for name in sorted(names_te_uses()):
+        prefix = r"\b(?:tex\.)?" if name in _imported_names() else r"\btex\."
+        named = set(re.findall(rf"{prefix}{name}\.([A-Za-z]\w*)\b", text)) - {"cast"}
+        base = enums.ENUMS.get(name)
+        if name in enums.CLOSED or (base is None and not (named and name[0].isupper()
+                                                          and not name.startswith("CommOverlap"))):
+            continue
+        members = {m.name: m.value for m in base} if base is not None else {}
+        for member in sorted(named - set(members)):
+            members[member] = max(members.values(), default=-1) + 1
+        made[name] = enum.IntEnum(name, members) if base is None or len(members) > len(base) else base
+    return {**enums.ENUMS, **made}
 
 
 def refusing_module(name: str, kernel_prefix: str = "") -> CpuKernelModule:
@@ -70,7 +98,7 @@ def build() -> CpuKernelModule:
     module = CpuKernelModule(MODULE_NAME, "Transformer Engine's kernels in torch on the CPU (megatron-zero-bubble)")
     module.__file__ = __file__
     module.names_used = names_te_uses()
-    contents = {**enums.ENUMS, **QUERIES, **norms.kernels(), **activations.kernels(), **softmax.kernels(),
+    contents = {**enumerations(), **QUERIES, **norms.kernels(), **activations.kernels(), **softmax.kernels(),
                 "generic_gemm": generic_gemm, "te_general_grouped_gemm": te_general_grouped_gemm}
     for name, value in contents.items():
         setattr(module, name, value)

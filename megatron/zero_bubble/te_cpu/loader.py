@@ -111,6 +111,9 @@ def install(hidden: bool = False) -> bool:
     if "transformer_engine" in sys.modules and not installed():
         raise RuntimeError("Transformer Engine was imported before its CPU kernel layer was installed")
     _FINDER.hidden = hidden
+    # TE's fusions (jit_fuser) as the plain functions they wrap, as megatron's are on the CPU: torch.compile costs
+    # each process tens of seconds there for no gain (a value already set is kept)
+    os.environ.setdefault("NVTE_TORCH_COMPILE", "0")
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
     return not hidden
