@@ -2,7 +2,7 @@
 arguments what TE's does (layouts, accumulation into the output, epilogues, dtypes), and refuses what it does not do.
 
 Checked against plain torch in float64 where the arithmetic is the point, and with torch.equal where a kernel must
-reproduce a formula exactly. TE's own modules over these kernels: tests/megatron/test_transformer_engine_split.py and
+reproduce a formula exactly. TE's own modules over these kernels: tests/megatron/te_split_cases.py (test_te_releases.py) and
 the pretrain_gpt.py launches (megatron's default layers on the CPU).
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ imports.install()
 from megatron.zero_bubble.patches.megatron_adapter import MegatronAdapter  # noqa: E402
 from megatron.zero_bubble.runtime.wgrad_store import WeightGradStore  # noqa: E402
 
-from tests.megatron.test_transformer_engine_split import _split_layer  # noqa: E402
+from tests.megatron.te_split_cases import _split_layer  # noqa: E402
 
 HIDDEN, HEADS, SEQ, MICRO_BATCH, MICROBATCHES = 256, 8, 128, 2, 3
 PACKAGES = {"M": "mamba_ssm", "G": "fla"}

@@ -3,8 +3,10 @@
 tests/te_standin.py keeps TE's deferral contract (per-module FIFO, backward_dw pops one entry, "Pop empty
 queue", main_grad fusion with a placeholder gradient); here the runtime's WeightGradStore drives it: which modules
 are switched, the W order, BW passes, readiness, undo. The reference is the stand-in's own undeferred backward (what
-megatron's schedules run), compared with torch.equal. The same checks on real TE modules are in
-test_transformer_engine_split.py (they need a GPU).
+megatron's schedules run), compared with torch.equal. The same checks on TE's own modules are in te_split_cases.py
+(TE's Python on the CPU over the kernel layer, for one release of each line); what stays here is what TE's own code
+cannot show on the CPU: its FP8 path's bias gradients formed in B, and each release line's behaviour side by side in
+one process.
 """
 from __future__ import annotations
 

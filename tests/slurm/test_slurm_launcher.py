@@ -187,7 +187,7 @@ def test_dry_run_cpu_mode_runs_an_examples_tiny_mode_with_its_knobs_and_position
                                         NPROC_PER_NODE="2")
     flags = flag_values(arguments)
     assert flags["--save"] == f"{tmp_path}/ckpt" and flags["--distributed-backend"] == "gloo"
-    assert "--multi-latent-attention" not in flags and "tiny: left out" in result.stdout
+    assert flags["--multi-latent-attention"] is True and "--transformer-impl" not in flags  # the script's own layers
     assert "world 4 = TP 1 x PP 2 x DP 2 (2 nodes x 2, gloo)" in result.stdout
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
-import importlib.util
+import importlib.machinery
 import re
 import types
 from pathlib import Path
@@ -48,7 +48,7 @@ class CpuKernelModule(types.ModuleType):
 
 @functools.lru_cache(maxsize=None)
 def _te_sources() -> str:
-    spec = importlib.util.find_spec("transformer_engine")  # located, not imported
+    spec = importlib.machinery.PathFinder.find_spec("transformer_engine")  # located (past our hook), not imported
     root = Path(spec.origin).parent / "pytorch"
     return "\n".join(path.read_text(errors="replace") for path in sorted(root.rglob("*.py")))
 

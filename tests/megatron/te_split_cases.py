@@ -1,5 +1,6 @@
 """The Transformer Engine split (patches/te_wgrad.py) on Transformer Engine's own modules: TE's Python, with CUDA or
-on the CPU over the labelled CPU kernel layer (megatron/zero_bubble/te_cpu), where the suite installs TE's Python.
+on the CPU over the labelled CPU kernel layer (megatron/zero_bubble/te_cpu). Run by test_te_releases.py, one pytest
+process per release (it imports TE and patches it for the CPU for the life of the process).
 
 The same checks as test_te_split_standin.py, which runs them on CPU against the labelled stand-in: B then W in
 microbatch order gives the gradients of TE's own undeferred backward bit for bit (plain autograd accumulation, and
@@ -96,10 +97,10 @@ def _skip_unless_supported(fuse: bool) -> None:
 
 
 def test_the_release_under_test_is_the_one_asked_for():
-    """test_te_releases.py runs this file on another release's Python (on PYTHONPATH): it must be the one imported."""
+    """test_te_releases.py names the release it put first on PYTHONPATH (or the installed one): it must be imported."""
     asked = os.environ.get("ZB_TE_RELEASE_UNDER_TEST")
     if asked is None:
-        pytest.skip("the installed release is under test (ZB_TE_RELEASE_UNDER_TEST names another)")
+        pytest.skip("run by test_te_releases.py, which names the release under test")
     assert VERSION == asked and importlib.metadata.version("transformer-engine") == asked
 
 
