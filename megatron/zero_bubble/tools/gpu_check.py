@@ -196,8 +196,8 @@ def pretrain_runs(sizes: Sizes, out: Path, cpu: bool, te: bool, schedules: list[
              f"--mock-data --num-workers 0 --train-iters {sizes.iterations} --lr 1e-4 --eval-iters 0 "
              f"--eval-interval {sizes.iterations + 1} --log-interval 1 --seed 1234 --init-weights-by-global-name "
              f"--hidden-dropout 0 --attention-dropout 0 --clip-grad 0").split()
-    if cpu:
-        model += ["--zero-bubble-cpu"]
+    if cpu:  # the rehearsal of the lent GPU, which has no Transformer Engine: megatron's local layers
+        model += ["--zero-bubble-cpu", "--transformer-impl", "local"]
     else:
         model += ["--bf16", "--deterministic-mode", "--transformer-impl", "transformer_engine" if te else "local"]
         if not te:  # apex's kernels, which megatron's local layers ask for by default
