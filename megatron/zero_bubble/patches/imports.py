@@ -48,6 +48,10 @@ class ImportShims(MegatronPatch):
 
             self.patches.add(typing, "override", typing_extensions.override)
 
+    def uninstall(self) -> None:
+        te_cpu.uninstall()
+        super().uninstall()
+
 
 def _triton_kernel_stub() -> types.ModuleType:
     stub = types.ModuleType(TRITON_KERNEL_MODULE, "Stand-in for megatron-core's triton kernels (triton is missing).")
@@ -60,11 +64,6 @@ def _triton_kernel_stub() -> types.ModuleType:
     stub.paged_stash_pop_kernel = _needs_triton
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     return stub
-
-
-    def uninstall(self) -> None:
-        te_cpu.uninstall()
-        super().uninstall()
 
 
 install, uninstall, installed = module_functions(ImportShims())
