@@ -74,9 +74,14 @@ def enumerations() -> dict:
     (releases differ: 2.12's fused-attention backends include NVTE_F16_max512_seqlen), and one made for each other
     name it reads members of (2.5's Float8BlockScaleTensorFormat)."""
     text, made = _te_sources(), {}
+    read: dict[str, set] = {}  # name -> the members TE's Python reads of it (tex.NAME.MEMBER, or NAME.MEMBER imported)
+    pairs = re.findall(r"\btex\.(\w+)\.([A-Za-z]\w*)\b", text)
+    if _imported_names():  # one pass over the sources for all of them
+        pairs += re.findall(rf"\b({'|'.join(sorted(_imported_names()))})\.([A-Za-z]\w*)\b", text)
+    for name, member in pairs:
+        read.setdefault(name, set()).add(member)
     for name in sorted(names_te_uses()):
-        prefix = r"\b(?:tex\.)?" if name in _imported_names() else r"\btex\."
-        named = set(re.findall(rf"{prefix}{name}\.([A-Za-z]\w*)\b", text)) - {"cast"}
+        named = read.get(name, set()) - {"cast"}
         base = enums.ENUMS.get(name)
         if name in enums.CLOSED or (base is None and not (named and name[0].isupper()
                                                           and not name.startswith("CommOverlap"))):
