@@ -107,7 +107,7 @@ def test_the_layering_test_sees_an_import_inside_a_function(tmp_path):
 
 def test_the_adapter_imports_only_the_patch_base_the_linear_splits_and_the_optimizer_view():
     imports = _our_imports(PACKAGE / "patches" / "megatron_adapter.py")
-    splits = ("patches.linear_wgrad", "patches.te_wgrad", "patches.megatron_optimizer")
+    splits = ("patches.linear_wgrad", "patches.te_wgrad", "patches.te_fp8_state", "patches.megatron_optimizer")
     assert imports and all(m.startswith(("patches._patching.",) + splits) or m in splits for m in imports), imports
 
 

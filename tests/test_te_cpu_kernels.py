@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.zero_bubble.te_cpu import activations, extension, norms
+from megatron.zero_bubble.te_cpu import activations, extension, fp8, norms
 from megatron.zero_bubble.te_cpu.enums import DType
 from megatron.zero_bubble.te_cpu.gemm import generic_gemm
 from megatron.zero_bubble.te_cpu.refusal import KernelNotOnCpu
@@ -84,15 +84,98 @@ def test_userbuffers_and_extra_outputs_are_refused_not_dropped(argument):
         gemm(rand(8, 4), rand(6, 4), "TN", **argument)
 
 
-def test_a_quantized_operand_or_an_output_quantizer_is_refused():
-    class Float8TensorStorage:
+class Float8TensorStorage:
+    """The attributes TE's per-tensor FP8 storage has (the kernels find it by its class name)."""
+
+    def __init__(self, values: torch.Tensor, scale_inv: float, rowwise=True, columnwise=True,
+                 dtype=DType.kFloat8E4M3):
+        data = fp8.cast(values, torch.ones(1), dtype)
+        self._fp8_dtype, self._scale_inv = dtype, torch.tensor([scale_inv])
+        self._data = data if rowwise else None
+        self._transpose = fp8.transposed(data) if columnwise else None
+        self._transpose_invalid = not columnwise
+
+
+class Float8Quantizer:  # delayed scaling's quantizer, as TE's kernels read it
+    def __init__(self, scale: float, amax: float = 0.0, rowwise=True, columnwise=True):
+        self.scale, self.amax = torch.tensor([scale]), torch.tensor([amax])
+        self.dtype, self.rowwise_usage, self.columnwise_usage = DType.kFloat8E4M3, rowwise, columnwise
+
+
+def test_a_quantized_operand_of_another_kind_or_an_output_quantizer_is_refused():
+    class MXFP8TensorStorage:
         pass
 
-    with pytest.raises(KernelNotOnCpu, match="operand A of type Float8TensorStorage"):
-        gemm(Float8TensorStorage(), rand(6, 4), "TN")
+    with pytest.raises(KernelNotOnCpu, match="operand A of type MXFP8TensorStorage"):
+        gemm(MXFP8TensorStorage(), rand(6, 4), "TN")
+    with pytest.raises(KernelNotOnCpu, match="one FP8 operand with one of type Tensor"):
+        gemm(Float8TensorStorage(rand(8, 16), 1.0), rand(6, 16), "TN")
     with pytest.raises(KernelNotOnCpu, match="output quantizer"):
         generic_gemm(rand(8, 4), True, rand(6, 4), False, None, object(), None, None, DType.kBFloat16, False, None,
                      False, None, 0, False, False)
+
+
+def test_the_fp8_cast_saturates_rounds_to_nearest_even_and_keeps_nan():
+    values = torch.tensor([1000.0, -1000.0, 1.0625, 1.1875, float("nan"), 0.0])
+    got = fp8.values_of(fp8.cast(values, torch.ones(1), DType.kFloat8E4M3), DType.kFloat8E4M3)
+    assert got[:4].tolist() == [448.0, -448.0, 1.0, 1.25] and got[4].isnan() and got[5] == 0
+    e5m2 = fp8.values_of(fp8.cast(torch.tensor([1e6, 3.0]), torch.tensor([2.0]), DType.kFloat8E5M2), DType.kFloat8E5M2)
+    assert e5m2.tolist() == [57344.0, 6.0]
+
+
+def test_fp8_gemm_reads_the_transpose_of_an_operand_used_untransposed_as_hopper_does():
+    weight, dy = rand(8, 16), rand(6, 8)
+    a, b = Float8TensorStorage(weight, 0.5), Float8TensorStorage(dy, 0.25)
+    want = (fp8.values_of(b._data, b._fp8_dtype) @ fp8.values_of(a._data, a._fp8_dtype)) * 0.125
+    a._data.zero_()  # "NN" (dgrad): A is read from its transpose only
+    assert torch.equal(gemm(a, b, "NN", out_dtype=DType.kFloat32)[0], want)
+    a._transpose_invalid = True
+    with pytest.raises(RuntimeError, match="input A is missing column-wise usage"):
+        gemm(a, b, "NN", out_dtype=DType.kFloat32)
+    rowwise_only = Float8TensorStorage(dy, 1.0, columnwise=False)
+    with pytest.raises(RuntimeError, match="input B is missing column-wise usage"):
+        gemm(Float8TensorStorage(rand(6, 16), 1.0), rowwise_only, "NT", out_dtype=DType.kFloat32)  # wgrad: dy^T
+
+
+def test_delayed_scaling_quantize_raises_amax_and_writes_data_transpose_and_scale_inverse():
+    quantizer = Float8Quantizer(scale=2.0, amax=5.0)
+    out = Float8TensorStorage(torch.zeros(2, 3), 1.0)
+    x = torch.tensor([[1.0, -3.0, 0.25], [float("nan"), 2.0, 0.5]])
+    fp8.quantize_into(out, quantizer, x, "quantize", fake_dtype=torch.float32)
+    assert quantizer.amax.item() == 5.0  # kept: larger than the input's 3 (NaN ignored)
+    fp8.quantize_into(out, quantizer, x * 4, "quantize", fake_dtype=torch.float32)
+    assert quantizer.amax.item() == 12.0 and out._scale_inv.item() == 0.5
+    assert torch.equal(out._transpose, fp8.transposed(out._data))
+    assert torch.equal(out._data, fp8.cast(x * 4, torch.tensor([2.0]), DType.kFloat8E4M3))
+    quantizer.columnwise_usage = False  # the existing output is made to match the usages
+    fp8.quantize_into(out, quantizer, x, "quantize", fake_dtype=torch.float32)
+    assert out._transpose is None and out._transpose_invalid
+    with pytest.raises(KernelNotOnCpu, match="MXFP8Quantizer.*use --fp8-recipe delayed or tensorwise$"):
+        fp8.quantize_into(out, type("MXFP8Quantizer", (), {})(), x, "quantize", fake_dtype=torch.float32)
+
+
+def test_current_scaling_scale_is_max_over_amax_with_tes_edge_cases():
+    e4m3 = DType.kFloat8E4M3
+    assert fp8.scale_from_amax(torch.tensor([2.0]), e4m3, False, 0.0).item() == 224.0
+    assert fp8.scale_from_amax(torch.tensor([0.0]), e4m3, False, 0.0).item() == 1.0
+    assert fp8.scale_from_amax(torch.tensor([float("inf")]), e4m3, False, 0.0).item() == 1.0
+    assert fp8.scale_from_amax(torch.tensor([0.0]), e4m3, False, 4.0).item() == 112.0  # the epsilon floor
+    assert fp8.scale_from_amax(torch.tensor([3.0]), e4m3, True, 0.0).item() == 128.0  # 149.3 to a power of two
+    assert fp8.scale_from_amax(torch.tensor([1e-45]), e4m3, False, 0.0).item() == torch.finfo(torch.float32).max
+
+
+def test_the_delayed_scaling_update_rolls_each_history_and_sets_the_scale_as_tes_kernel():
+    history = torch.tensor([[7.0, 0.0, 3.0], [1.0, 2.0, 9.0], [4.0, 5.0, 6.0]])  # length 3, three scales
+    scale = torch.tensor([1.0, 1.0, 1.0])
+    reduced = torch.tensor([8.0, 0.0, 0.0])  # scale 0: the reduced amax; 1: none (history row 0 is 0); 2: row 0
+    fp8.fused_amax_and_scale_update_after_reduction(reduced, [history], [scale], "max", DType.kFloat8E4M3, 1.0)
+    assert history.tolist() == [[0.0, 0.0, 0.0], [4.0, 2.0, 6.0], [8.0, 5.0, 3.0]]
+    # max over the old rows 1.. and the newest, divided in float32; margin 1 halves 448
+    assert torch.equal(scale, torch.tensor([224.0, 1.0, 224.0]) / torch.tensor([8.0, 1.0, 9.0]))
+    history2, scale2 = torch.tensor([[2.0], [16.0]]), torch.tensor([3.0])
+    fp8.fused_amax_and_scale_update_after_reduction(torch.zeros(1), [history2], [scale2], "most_recent",
+                                                    DType.kFloat8E5M2, 0.0)
+    assert history2.tolist() == [[0.0], [2.0]] and scale2.tolist() == [57344.0 / 2.0]
 
 
 def test_an_output_of_the_wrong_shape_or_dtype_is_an_error():
@@ -148,8 +231,19 @@ def test_activations_and_their_gradients_match_torch(name, reference):
     ref = reference(leaf)
     dy = rand(*ref.shape).double()
     ref.backward(dy)
-    torch.testing.assert_close(out, ref.detach())
-    torch.testing.assert_close(kernels[f"d{name}"](dy, h, None), leaf.grad)
+    float32 = dict(rtol=1e-5, atol=1e-6)  # the kernels compute in float32, the reference in float64
+    torch.testing.assert_close(out, ref.detach(), **float32)
+    torch.testing.assert_close(kernels[f"d{name}"](dy, h, None), leaf.grad, **float32)
+    if name != "swiglu":  # the bias gradient sums the activation's gradient over the rows
+        bias_grad, grad_input = kernels[f"dbias_d{name}"](dy, h, None)
+        assert torch.equal(grad_input, kernels[f"d{name}"](dy, h, None))
+        torch.testing.assert_close(bias_grad, leaf.grad.sum(dim=0), **float32)
+
+
+def test_bgrad_quantize_sums_the_rows_in_float32_and_passes_the_gradient_on():
+    dy = rand(6, 8, dtype=torch.bfloat16)
+    bias_grad, same = activations.bgrad_quantize(dy, None)
+    assert torch.equal(bias_grad, dy.float().sum(dim=0).to(torch.bfloat16)) and torch.equal(same, dy)
 
 
 def test_a_missing_kernel_stops_the_run_in_one_line_naming_it_and_the_fix():

@@ -138,18 +138,31 @@ def test_te_features_that_cannot_defer_are_refused_with_te_layers_split(override
         check_transformer_engine_split(_te_args(**overrides), "--enable-zero-bubble")
 
 
-@pytest.mark.parametrize("overrides, given", [
-    ({"fp8": "e4m3"}, "--fp8-format e4m3"), ({"fp8": "hybrid"}, "--fp8-format hybrid"),
-    ({"fp4": "e2m1"}, "--fp4-format e2m1"), ({"fp8_param_gather": True}, "--fp8-param-gather"),
-    ({"fp4_param_gather": True}, "--fp4-param-gather"),
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_with_a_recipe_shown_exact_splits_te_layers(fp8_format, recipe, monkeypatch):
+    monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.20.2")
+    check_transformer_engine_split(_te_args(fp8=fp8_format, fp8_recipe=recipe), "--pipeline-schedule zb-h1")
+
+
+@pytest.mark.parametrize("overrides, given, why", [
+    ({"fp8": "hybrid", "fp8_recipe": "mxfp8"}, "--fp8-recipe mxfp8", "not emulated on the CPU"),
+    ({"fp8": "e4m3", "fp8_recipe": "blockwise"}, "--fp8-recipe blockwise", "not emulated on the CPU"),
+    ({"fp8": "e4m3", "fp8_recipe": "custom"}, "--fp8-recipe custom", "not emulated on the CPU"),
+    ({"fp4": "e2m1"}, "--fp4-format e2m1", "FP4's kernels are not emulated"),
+    ({"fp8": "e4m3", "fp8_recipe": "delayed", "fp8_param_gather": True}, "--fp8-param-gather",
+     "quantized by the optimizer step"),
+    ({"fp4_param_gather": True}, "--fp4-param-gather", "FP4's kernels are not emulated"),
 ])
-def test_fp8_and_fp4_are_refused_with_te_layers_split_in_one_line(overrides, given, monkeypatch):
+def test_low_precision_not_shown_exact_is_refused_with_te_layers_split_in_one_line(overrides, given, why,
+                                                                                  monkeypatch):
     monkeypatch.setattr(te_wgrad, "installed_version", lambda: "2.20.2")
     with pytest.raises(arguments.StartupRefusal) as refused:
         check_transformer_engine_split(_te_args(**overrides), "--pipeline-schedule zb-h1")
     message = str(refused.value)
     option = given.split()[0]
     assert message.startswith(f"{given} does not work with --pipeline-schedule zb-h1 on Transformer Engine layers")
-    assert "never run on a GPU" in message and f"drop {option}" in message and "\n" not in message
+    assert why in message and "(--pipeline-schedule 1f1b)" in message and "\n" not in message
+    assert f"drop {option}" in message or "use --fp8-recipe delayed or tensorwise" in message
     check_transformer_engine_split(_te_args(**overrides, transformer_impl="local"), "--pipeline-schedule zb-h1")
 

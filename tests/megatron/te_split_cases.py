@@ -78,6 +78,31 @@ def _forward(module, x):
     return out[0] if isinstance(out, tuple) else out
 
 
+def _recipe(name):
+    """TE's recipe object for megatron's --fp8-recipe NAME with --fp8-format hybrid (None: no FP8)."""
+    if name is None:
+        return None
+    from transformer_engine.common import recipe
+
+    made = {"delayed": recipe.DelayedScaling, "tensorwise": recipe.Float8CurrentScaling}[name]
+    return made(fp8_format=recipe.Format.HYBRID)
+
+
+def _forward_under(recipe, module, x):
+    if recipe is None:
+        return _forward(module, x)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        return _forward(module, x)
+
+
+def _scaling_state(module) -> list:
+    """Every delayed-scaling amax history and scale of the module (none for other recipes)."""
+    meta = getattr(module, "fp8_meta", {})
+    states = [meta[key] for key in ("scaling_fwd", "scaling_bwd") if key in meta]
+    return [t.clone() for state in states for t in (getattr(state, "amax_history", None), getattr(state, "scale", None))
+            if t is not None]
+
+
 def _data(kind: str):
     generator = torch.Generator().manual_seed(1)
     out = HIDDEN if kind == "LayerNormMLP" else FFN
@@ -106,24 +131,32 @@ def test_the_release_under_test_is_the_one_asked_for():
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "main_grad-fusion"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind, fuse):
+@pytest.mark.parametrize("fp8", [None, "delayed", "tensorwise"], ids=["bf16", "fp8-delayed", "fp8-tensorwise"])
+def test_te_modules_split_into_b_and_w_match_tes_fused_backward_bit_for_bit(kind, fuse, fp8):
+    """Under FP8 too (--fp8-format hybrid): the gradients, and the delayed-scaling amax histories and scales."""
     _skip_unless_supported(fuse)
+    recipe = _recipe(fp8)
     reference, split = _make(kind, fuse), _make(kind, fuse)
     for x, dy in _data(kind):
-        _forward(reference, x).backward(dy)
+        _forward_under(recipe, reference, x).backward(dy)
     store = WeightGradStore("chunk 0")
     assert store.attach(split, _adapter()) > 0
     for mb, (x, dy) in enumerate(_data(kind)):
-        out = _forward(split, x)
+        out = _forward_under(recipe, split, x)
         with store.split_backward():
             out.backward(dy)
         store.close_microbatch(mb, last=mb == MICROBATCHES - 1)
+    assert store.pending_count > 0
     for mb in store.pending_microbatches:
         store.run_next(mb)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     want, got = _grads(reference), _grads(split)
     assert [n for n in want if not torch.equal(want[n], got[n])] == []
+    want_state, got_state = _scaling_state(reference), _scaling_state(split)
+    assert len(want_state) == (4 if fp8 == "delayed" else 0)
+    assert all((scale != 1).any() for scale in want_state[1::2])  # the recipe moved every scale
+    assert all(torch.equal(a, b) for a, b in zip(want_state, got_state))
     store.detach()
 
 

@@ -72,6 +72,11 @@ LLAMA_MOE = LLAMA + [f for f in MOE if f != "--disable-bias-linear"] + [
 # only, the runtime every stage, so the shards differ: no clipping, norms to their printed digits
 DISTRIBUTED = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
                "--ddp-bucket-size", "20000", "--overlap-param-gather", *NO_CLIP]
+# FP8 on Transformer Engine's layers (its Python over the CPU kernel layer's emulated per-tensor FP8 kernels): the
+# Llama pairs train under the two recipes megatron's split takes, delayed scaling's amax histories and scales
+# carried from iteration to iteration (the losses of later iterations depend on them)
+FP8_DELAYED = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed"]
+FP8_TENSORWISE = ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
 
 
 def definitions(work: str) -> dict[str, RunDefinition]:
@@ -100,13 +105,12 @@ def definitions(work: str) -> dict[str, RunDefinition]:
         "pp2/moe/megatron/fp16": (2, PP2 + MOE + MOE_FP16_PV, None),
         "pp2/moe/post-validation/fp16": (2, PP2 + MOE + MOE_FP16_PV + ["--pipeline-schedule", "zb-h1", *EXACT_PV],
                                          None),
-        "dp2pp2/llama/megatron/distributed/overlap": (4, LLAMA + DISTRIBUTED, None),
-        "dp2pp2/llama/zb-auto/distributed/overlap": (4, LLAMA + DISTRIBUTED + ["--pipeline-schedule", "zb-auto",
-                                                                               *NO_ILP], None),
-        "pp2/llama-moe/megatron": (2, PP2 + LLAMA_MOE + NO_CLIP, None),
-        "pp2/llama-moe/zb-auto": (2, PP2 + LLAMA_MOE + NO_CLIP + ["--enable-zero-bubble", *TIMERS, *NO_ILP,
-                                                                   "--zero-bubble-dump-schedule", path("dump-moe")],
-                                  None),
+        "dp2pp2/llama/megatron/distributed/overlap": (4, LLAMA + DISTRIBUTED + FP8_TENSORWISE, None),
+        "dp2pp2/llama/zb-auto/distributed/overlap": (4, LLAMA + DISTRIBUTED + FP8_TENSORWISE + [
+            "--pipeline-schedule", "zb-auto", *NO_ILP], None),
+        "pp2/llama-moe/megatron": (2, PP2 + LLAMA_MOE + NO_CLIP + FP8_DELAYED, None),
+        "pp2/llama-moe/zb-auto": (2, PP2 + LLAMA_MOE + NO_CLIP + FP8_DELAYED + [
+            "--enable-zero-bubble", *TIMERS, *NO_ILP, "--zero-bubble-dump-schedule", path("dump-moe")], None),
     }
     # megatron's index cache: the first run of each data configuration builds the mock dataset's indices (a shuffle of
     # 100000 documents, a quarter of a short run's CPU), the others load them

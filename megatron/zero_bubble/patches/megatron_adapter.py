@@ -123,10 +123,13 @@ class MegatronAdapter:
 
     def forward_accumulators(self, model_chunks):
         """What megatron's training forward passes accumulate into (MoE routers' running counts, the MoE metrics
-        tracker's per-layer losses, the multi-token-prediction layers' losses and accuracies), kept as it is now;
-        returns `restore()`, which puts it back (replay.Rewind). A metric a tracker starts after this call is
+        tracker's per-layer losses, the multi-token-prediction layers' losses and accuracies, the FP8 recipe's
+        amax histories and scales that TE's modules update in their forward and backward passes), kept as it is
+        now; returns `restore()`, which puts it back (replay.Rewind). A metric a tracker starts after this call is
         zeroed: its entry would have been made from zeros."""
         import torch
+
+        from . import te_fp8_state
 
         kept = [(tensor, tensor.clone()) for chunk in model_chunks for module in chunk.modules()
                 for name in ROUTER_ACCUMULATORS if torch.is_tensor(tensor := getattr(module, name, None))]
@@ -134,8 +137,10 @@ class MegatronAdapter:
         metrics = {name: entry.values.clone() for name, entry in tracker.metrics.items()}
         mtp = self._m.multi_token_prediction.MTPLossLoggingHelper.tracker  # a class attribute: one dict per process
         mtp_values = {name: mtp[name].clone() for name in MTP_TRACKED if name in mtp}
+        recipe_state = te_fp8_state.keep_recipe_state(model_chunks)
 
         def restore() -> None:
+            recipe_state()
             for tensor, value in kept:
                 tensor.copy_(value)
             for name, entry in tracker.metrics.items():

@@ -6,7 +6,8 @@ run) and once split (B, then W from the chunk's WeightGradStore, whoever holds t
 or Transformer Engine's queues). It compares every parameter's gradient bit for bit, then puts back everything it
 touched: gradients (`.grad`, `main_grad`, `grad_added_to_main_grad`), the data it read (replayed by the iteration),
 random states (CPU, CUDA, megatron's tracker), what forward passes accumulate (MoE routers' counts, megatron's MoE
-metrics), the `is_first_microbatch` flags of the layers and megatron's timers. The chunks' backward passes run inside
+metrics, the FP8 recipe's state: delayed scaling's amax histories and scales, put back before each run too), the
+`is_first_microbatch` flags of the layers and megatron's timers. The chunks' backward passes run inside
 megatron's no_sync, so no gradient reduction starts. A chunk that gets no input from this rank (a later pipeline
 stage) is fed a fixed random activation, and one whose output is not the loss a fixed random output gradient.
 

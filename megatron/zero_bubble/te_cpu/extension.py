@@ -13,7 +13,7 @@ import re
 import types
 from pathlib import Path
 
-from . import activations, enums, norms, softmax
+from . import activations, enums, fp8, norms, padding, softmax
 from .gemm import generic_gemm, te_general_grouped_gemm
 from .refusal import missing_kernel
 
@@ -104,6 +104,7 @@ def build() -> CpuKernelModule:
     module.__file__ = __file__
     module.names_used = names_te_uses()
     contents = {**enumerations(), **QUERIES, **norms.kernels(), **activations.kernels(), **softmax.kernels(),
+                **fp8.kernels(), **padding.kernels(),
                 "generic_gemm": generic_gemm, "te_general_grouped_gemm": te_general_grouped_gemm}
     for name, value in contents.items():
         setattr(module, name, value)

@@ -5,7 +5,11 @@ last dimension, D = op(B) @ op(A), where op transposes when `transa` / `transb` 
 (x @ W^T), "NN" the input gradient (dy @ W), "NT" the weight gradient (dy^T @ x). The output keeps B's leading
 dimensions unless `transb`. As cuBLAS does, the product is formed in float32, then `alpha` scales it, `beta * D` is
 added when accumulating, the epilogue (bias, GELU) is applied in float32, and the result is rounded once into D.
-Arguments not honoured here (Userbuffers, an extra output, a quantized operand or output) are refused.
+Per-tensor FP8 operands (fp8.py) are read as a Hopper GPU reads them: cuBLASLt runs FP8 GEMMs only as "TN", so an
+operand used untransposed in cuBLAS terms (A without `transa`, B with `transb`) is read from its transpose buffer and
+must have one; the product of the FP8 values is formed in float32 and scaled by both scale inverses. Both operands
+are FP8 or neither. Arguments not honoured here (Userbuffers, an extra output, an output quantizer, an operand of any
+other quantized kind) are refused.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import math
 
 import torch
 
+from . import fp8
 from .dtypes import torch_dtype
 from .refusal import refuse
 
@@ -24,6 +29,29 @@ def _plain(kernel: str, name: str, tensor) -> torch.Tensor:
     if tensor.__class__ not in PLAIN:
         raise refuse(kernel, f"operand {name} of type {type(tensor).__name__} (a quantized tensor)")
     return tensor
+
+
+def _fp8_operand(name: str, tensor, rowwise: bool):
+    """The float32 values (unscaled, in the operand's own shape) of the FP8 buffer cuBLASLt reads on Hopper, and the
+    scale inverse."""
+    if rowwise:
+        if tensor._data is None:
+            raise RuntimeError(f"generic_gemm: input {name} is missing row-wise usage")
+        return fp8.values_of(tensor._data, tensor._fp8_dtype), tensor._scale_inv.float()
+    if tensor._transpose is None or tensor._transpose_invalid:
+        raise RuntimeError(f"generic_gemm: input {name} is missing column-wise usage")
+    return fp8.values_of(tensor._transpose, tensor._fp8_dtype).movedim(0, -1), tensor._scale_inv.float()
+
+
+def operands(kernel: str, A, transa: bool, B, transb: bool):
+    """A and B as float32 values, and the factor their product is scaled by (1 unless FP8)."""
+    a_fp8, b_fp8 = fp8.is_per_tensor_fp8(A), fp8.is_per_tensor_fp8(B)
+    if a_fp8 != b_fp8:
+        raise refuse(kernel, f"one FP8 operand with one of type {type(B if a_fp8 else A).__name__}")
+    if not a_fp8:
+        return _plain(kernel, "A", A), _plain(kernel, "B", B), None
+    (a, a_scale_inv), (b, b_scale_inv) = _fp8_operand("A", A, transa), _fp8_operand("B", B, not transb)
+    return a, b, a_scale_inv * b_scale_inv
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +87,7 @@ def generic_gemm(A, transa, B, transb, D, quantizer, out_dtype, bias, bias_type,
         raise refuse(name, "an extra output")
     if quantizer is not None:
         raise refuse(name, f"an output quantizer ({type(quantizer).__name__})")
-    A, B = _plain(name, "A", A), _plain(name, "B", B)
+    A, B, factor = operands(name, A, transa, B, transb)
     if D is not None:
         _plain(name, "D", D)
     beta = (1.0 if accumulate else 0.0) if beta is None else beta
@@ -68,7 +96,8 @@ def generic_gemm(A, transa, B, transb, D, quantizer, out_dtype, bias, bias_type,
     dtype = torch_dtype(out_dtype) if out_dtype is not None else A.dtype
     if D is not None and out_dtype is not None and D.dtype != dtype:
         raise ValueError(f"generic_gemm: output dtype {D.dtype}, expected {dtype}")
-    result = product(A, transa, B, transb) * alpha
+    result = product(A, transa, B, transb)
+    result = (result if factor is None else result * factor) * alpha
     if D is not None and tuple(D.shape) != tuple(result.shape):
         raise ValueError(f"generic_gemm: output shape {tuple(D.shape)}, expected {tuple(result.shape)}")
     if accumulate and D is not None:
@@ -78,6 +107,8 @@ def generic_gemm(A, transa, B, transb, D, quantizer, out_dtype, bias, bias_type,
         if gelu_in is None or bias is not None:
             raise refuse(name, "the GELU-gradient epilogue without its input, or with a bias gradient")
         result = result * dgelu_tanh(gelu_in.float())
+    elif bias is not None and grad and factor is not None:
+        raise refuse(name, "the bias-gradient epilogue on FP8 operands (TE forms that gradient in bgrad_quantize)")
     elif bias is not None and grad:  # the bias gradient: B's columns summed (the output gradient of a weight GEMM)
         bias_grad = _as_2d(B).float().sum(dim=0).to(D.dtype if D is not None else dtype)
     elif bias is not None:
@@ -106,8 +137,9 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
     dtype = torch_dtype(D_type)
     row = 0
     for i, (a, b) in enumerate(zip(A, B)):
-        _plain(name, "A", a), _plain(name, "B", b)
+        a, b, factor = operands(name, a, transa, b, transb)
         result = product(a, transa, b, transb)
+        result = result if factor is None else result * factor
         if single_output:
             rows = result.shape[0]
             out = D[0][row:row + rows].view(result.shape)
@@ -123,6 +155,8 @@ def te_general_grouped_gemm(A, transa, B, transb, D, D_type, m_splits, bias, bia
             continue
         if accumulate:
             result = result + out.float()
+        if has_bias and grad and factor is not None:
+            raise refuse(name, "the bias-gradient epilogue on FP8 operands")
         if has_bias and grad:
             bias[i].copy_(_as_2d(b).float().sum(dim=0))
         elif has_bias:

@@ -2,21 +2,26 @@
 
 As TE's kernels: statistics in float32 over the last dimension (mu and rsigma = 1 / sqrt(var + eps) returned per row,
 float32), `zero_centered_gamma` scales by (1 + gamma), the output in the requested dtype (into `out` when given), the
-gradients of the input in its dtype and of gamma and beta in theirs. A quantizer (an FP8 output) is refused.
+gradients of the input in its dtype and of gamma and beta in theirs. With a per-tensor FP8 quantizer the output is
+quantized as TE's kernels do (fp8.quantize_into): delayed scaling casts the float32 result (the fused kernel); current
+scaling rounds it to the output dtype and casts with the amax of the float32 result.
 """
 from __future__ import annotations
 
 import torch
 
+from . import fp8
 from .dtypes import torch_dtype
-from .refusal import refuse
 
 
 def _gamma(weight, zero_centered_gamma: bool):
     return weight.float() + 1.0 if zero_centered_gamma else weight.float()
 
 
-def _write(result: torch.Tensor, out, out_dtype, like: torch.Tensor) -> torch.Tensor:
+def _write(result: torch.Tensor, out, out_dtype, like: torch.Tensor, quantizer=None, kernel: str = "") -> torch.Tensor:
+    if quantizer is not None:
+        dtype = torch_dtype(out_dtype) if out_dtype is not None else like.dtype
+        return fp8.quantize_into(out, quantizer, result, kernel, fake_dtype=dtype, amax_of=result)
     if out is not None:
         out.copy_(result.reshape(out.shape))
         return out
@@ -24,13 +29,7 @@ def _write(result: torch.Tensor, out, out_dtype, like: torch.Tensor) -> torch.Te
     return result.to(dtype)
 
 
-def _no_quantizer(kernel: str, quantizer) -> None:
-    if quantizer is not None:
-        raise refuse(kernel, f"an output quantizer ({type(quantizer).__name__})")
-
-
 def layernorm_fwd(input, weight, bias, eps, out, quantizer, out_dtype, sm_margin, zero_centered_gamma):
-    _no_quantizer("layernorm_fwd", quantizer)
     x = input.float().reshape(-1, input.shape[-1])
     mu = x.mean(dim=-1)
     centered = x - mu[:, None]
@@ -38,7 +37,7 @@ def layernorm_fwd(input, weight, bias, eps, out, quantizer, out_dtype, sm_margin
     y = centered * rsigma[:, None] * _gamma(weight, zero_centered_gamma)
     if bias is not None:
         y = y + bias.float()
-    return [_write(y.reshape(input.shape), out, out_dtype, input), mu, rsigma]
+    return [_write(y.reshape(input.shape), out, out_dtype, input, quantizer, "layernorm_fwd"), mu, rsigma]
 
 
 def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
@@ -53,11 +52,10 @@ def layernorm_bwd(dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma):
 
 
 def rmsnorm_fwd(input, weight, eps, out, quantizer, out_dtype, sm_margin, zero_centered_gamma):
-    _no_quantizer("rmsnorm_fwd", quantizer)
     x = input.float().reshape(-1, input.shape[-1])
     rsigma = torch.rsqrt((x * x).mean(dim=-1) + eps)
     y = x * rsigma[:, None] * _gamma(weight, zero_centered_gamma)
-    return [_write(y.reshape(input.shape), out, out_dtype, input), None, rsigma]
+    return [_write(y.reshape(input.shape), out, out_dtype, input, quantizer, "rmsnorm_fwd"), None, rsigma]
 
 
 def rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma):

@@ -11,6 +11,9 @@ HINTS = (
      "leave out --moe-permute-fusion and --moe-router-fusion"),
     (("multi_tensor_", "newton_schulz", "cusolvermp"), "use megatron's torch optimizer (--optimizer adam or sgd)"),
     (("nvfp4",), "FP4 is not emulated on the CPU: leave out --fp4-format"),
+    (("quantize", "split_quantize", "group_quantize", "bgrad_group_quantize", "group_requantize", "mxfp8_",
+      "fp8_block", "create_empty_quantized_tensor", "dequantize", "swizzle"),
+     "the CPU emulates FP8 with per-tensor scaling only: use --fp8-recipe delayed or tensorwise"),
     (("CommOverlap", "bulk_overlap", "ubuf", "device_supports_multicast"), "leave out --tp-comm-overlap"),
 )
 GENERIC_HINT = "use --transformer-impl local, or a GPU with Transformer Engine's CUDA kernels"

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from .flags import StartupRefusal
 
-# megatron's flags that quantize TE's GEMM operands or weights (dest: flag). FP8 and FP4 weight gradients deferred
-# by TE have never run on a GPU here, the held-memory model has not been checked against quantized tensors, and
-# TE's backward_dw fails on an FP8 bias gradient formed in B when it finds bias.grad cleared (TE issue #3400).
-LOW_PRECISION_FLAGS = {"fp8": "--fp8-format", "fp4": "--fp4-format", "fp8_param_gather": "--fp8-param-gather",
-                       "fp4_param_gather": "--fp4-param-gather"}
+# FP8 recipes whose split into B and W has been shown bit for bit with megatron's 1F1B (on the CPU, TE's own Python
+# over the emulated per-tensor FP8 kernels of te_cpu/fp8.py): gradients, losses and the recipe's scaling state.
+EXACT_FP8_RECIPES = ("delayed", "tensorwise")
+# megatron's flags that quantize TE's GEMM operands or weights beyond those recipes (dest: flag, why refused).
+LOW_PRECISION_FLAGS = {
+    "fp4": ("--fp4-format", "FP4's kernels are not emulated, so its split has not been shown exact"),
+    "fp8_param_gather": ("--fp8-param-gather", "FP8 primary weights are quantized by the optimizer step, which the "
+                                               "split has not been shown exact with"),
+    "fp4_param_gather": ("--fp4-param-gather", "FP4's kernels are not emulated, so its split has not been shown exact"),
+}
 
 
 def check_transformer_engine_split(args, flag: str) -> None:
@@ -38,10 +43,15 @@ def check_transformer_engine_split(args, flag: str) -> None:
 
 
 def _check_precision(args, flag: str) -> None:
-    for name, option in LOW_PRECISION_FLAGS.items():
+    if getattr(args, "fp8", None) and getattr(args, "fp8_recipe", "delayed") not in EXACT_FP8_RECIPES:
+        raise StartupRefusal(f"--fp8-recipe {args.fp8_recipe} does not work with {flag} on Transformer Engine layers "
+                             f"yet (its kernels are not emulated on the CPU, so its split has not been shown exact); "
+                             f"use --fp8-recipe {' or '.join(EXACT_FP8_RECIPES)}, or keep it with a schedule that does "
+                             f"not split the backward (--pipeline-schedule 1f1b)")
+    for name, (option, why) in LOW_PRECISION_FLAGS.items():
         value = getattr(args, name, None)
         if value not in (None, False):
             given = option if value is True else f"{option} {value}"
-            raise StartupRefusal(f"{given} does not work with {flag} on Transformer Engine layers yet (TE's FP8 / FP4 "
-                                 f"weight gradients deferred to W have never run on a GPU); drop {option}, or keep "
-                                 f"it with a schedule that does not split the backward (--pipeline-schedule 1f1b)")
+            raise StartupRefusal(f"{given} does not work with {flag} on Transformer Engine layers yet ({why}); drop "
+                                 f"{option}, or keep it with a schedule that does not split the backward "
+                                 f"(--pipeline-schedule 1f1b)")

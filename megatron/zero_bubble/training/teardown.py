@@ -58,6 +58,7 @@ def end_distributed(log=None) -> None:
     dist.barrier()  # every rank has left its last collective: destroying a group strands no peer in it
     forget_megatron_groups()
     clear_megatron_method_caches()
+    forget_fp8_state()
     release_training_cycles()
     dist.destroy_process_group()  # torch's references to every group, WORLD included
     gc.collect()  # groups held in reference cycles (model chunks and their process-group collections)
@@ -107,6 +108,22 @@ def clear_megatron_method_caches() -> None:
                 for attribute in vars(value).values():
                     if callable(getattr(attribute, "cache_clear", None)):
                         attribute.cache_clear()
+
+
+def forget_fp8_state() -> None:
+    """Where Transformer Engine was imported, the globals of its FP8 that name groups: its FP8 state, a class attribute
+    (the recipe and amax-reduction group of every FP8 autocast, and the amax buffers), reset as TE's own reset()
+    does; and its attention's cache of the last backend selection, whose parameters keep the last layer's FP8
+    metadata, amax-reduction group included (forgotten, as when TE asks for a new selection)."""
+    quantization = sys.modules.get("transformer_engine.pytorch.quantization")
+    manager = getattr(quantization, "FP8GlobalStateManager", None)
+    if manager is not None:
+        manager.reset()
+    attention = sys.modules.get("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    backends = getattr(attention, "_attention_backends", None)
+    if isinstance(backends, dict) and "attention_params" in backends:
+        backends["attention_params"] = None
+        backends["backend_selection_requires_update"] = True
 
 
 def release_training_cycles() -> None:
