@@ -205,3 +205,40 @@ def test_one_megatron_gpt_layer_split_matches_its_fused_backward(impl):
     result = split_layer.measure(impl, 1024, 16, 2, 512, torch.bfloat16, 1, "cuda")
     assert result["bit_identical"], result["first_difference"]
     assert result["deferred"] > 0
+
+
+def _storage_bytes(obj, seen: set, found: dict) -> None:
+    """The storages of the plain tensors reachable from obj (through containers and TE's quantized tensors)."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        found[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _storage_bytes(item, seen, found)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _storage_bytes(item, seen, found)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+        for name, item in vars(obj).items():
+            if name not in ("_quantizer", "quantizer"):
+                _storage_bytes(item, seen, found)
+
+
+@pytest.mark.parametrize("fp8", [None, "delayed", "tensorwise"], ids=["bf16", "fp8-delayed", "fp8-tensorwise"])
+def test_w_holds_per_linear_layer_what_the_advisor_counts(fp8):
+    """M_W of a bf16 TE Linear as advise/activations.py counts it: the input at 2 bytes an element, or under FP8 its
+    FP8 transpose alone (1 byte), and the output gradient at 2 bytes (bf16, or its two FP8 copies)."""
+    _skip_unless_supported(False)
+    module = te.Linear(HIDDEN, FFN, bias=True, params_dtype=torch.bfloat16, device=DEVICE, delay_wgrad_compute=True)
+    x = torch.randn(TOKENS, HIDDEN, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    out = _forward_under(_recipe(fp8), module, x)
+    out.backward(torch.randn_like(out))
+    found = {}
+    _storage_bytes(list(module.wgrad_store.context.queue), set(), found)
+    for p in module.parameters():
+        found.pop(p.untyped_storage().data_ptr(), None)
+    held = sum(nbytes for nbytes in found.values() if nbytes > 64)  # scale inverses and amaxes are 4 bytes
+    input_bytes = 2 if fp8 is None else 1
+    assert held == TOKENS * (HIDDEN * input_bytes + FFN * 2)

@@ -47,7 +47,11 @@ class _Widths:
         self.run, self.model = run, m
         t = layout.tp
         self.d = n.activation_bytes
-        self.linear_input_bytes = 1 if n.fp8 and k.transformer_impl == "transformer_engine" else self.d
+        # Under FP8 on TE's layers W keeps each linear layer's input as its FP8 transpose alone (1 byte) and its
+        # output gradient as both FP8 copies B quantized (row-wise for the input gradient, column-wise for W: 2 bytes)
+        fp8_te = n.fp8 and k.transformer_impl == "transformer_engine"
+        self.linear_input_bytes = 1 if fp8_te else self.d
+        self.output_grad_bytes = 2 if fp8_te else self.d
         self.tokens = m.seq_length // layout.cp * layout.micro_batch  # of the GPU's sequence share
         self.sp = t if layout.sequence_parallel else 1
         self.h, self.h_sp = m.hidden, m.hidden / self.sp
@@ -108,7 +112,7 @@ def _mlp(w: _Widths, ffn_hidden: int, tp: int) -> Saved:
     ffn = ffn_hidden / tp
     fc1_out = ffn * (2 if w.model.swiglu else 1)
     forward = 0.0 if "mlp" in w.selective else _activation(w, ffn)
-    wgrad = (w.h_sp + ffn) * w.linear_input_bytes + (fc1_out + w.h) * w.d  # inputs and output gradients
+    wgrad = (w.h_sp + ffn) * w.linear_input_bytes + (fc1_out + w.h) * w.output_grad_bytes  # inputs, output grads
     return Saved(forward, wgrad)
 
 
@@ -146,7 +150,7 @@ def _expert_wgrad(w: _Widths) -> float:
     moe = w.model.moe
     ffn = moe.ffn_hidden / w.run.layout.etp
     fc1_out = ffn * (2 if w.model.swiglu else 1)
-    return moe.topk * ((w.h + fc1_out) + (ffn + w.h)) * w.d
+    return moe.topk * ((w.h + ffn) * w.linear_input_bytes + (fc1_out + w.h) * w.output_grad_bytes)
 
 
 def layer_saved(run: Run, layer: int, widths: _Widths | None = None) -> Saved:
@@ -154,7 +158,8 @@ def layer_saved(run: Run, layer: int, widths: _Widths | None = None) -> Saved:
     w = widths or _Widths(run)
     m, d = run.model, w.d
     qkv_out = (w.heads + 2 * w.groups) * w.kv
-    wgrad = (w.h_sp * w.linear_input_bytes + qkv_out * d) + (w.heads * w.kv + w.h) * d  # QKV and projection
+    # QKV and the projection: their inputs and output gradients
+    wgrad = (w.h_sp + w.heads * w.kv) * w.linear_input_bytes + (qkv_out + w.h) * w.output_grad_bytes
     forward = _attention(w)
     forward += w.norm(w.h_sp) * ("layernorm" not in w.selective) + w.h_sp * w.linear_input_bytes  # fc1's input
     if m.is_moe_layer(layer):
