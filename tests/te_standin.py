@@ -32,8 +32,11 @@ The real-TE tests (tests/megatron/te_split_cases.py, run by test_te_releases.py)
 fused, W order, BW passes, readiness) on TE's own modules: on the CPU over the labelled kernel layer (releases 2.5.0,
 2.12.0, 2.19.0 and 2.20.2), on a GPU over TE's kernels (not run yet). Where the two disagree, TE wins: TE's LayerNormMLP
 needs a bias gradient in `.grad` for backward_dw even after megatron DDP's hook accumulated the one B formed, which
-this stand-in does not model. What this stand-in is still needed for: FP8's bias gradients formed in B, and the
-harness cases that build a GPT on these layers (tests/megatron/test_te_split_gpt_standin.py).
+this stand-in does not model. A GPT on TE's own layers through the runtime, FP8 included, is
+tests/megatron/te_gpt_cases.py's. What this stand-in is still needed for, because TE's code cannot show it on the
+CPU: each release line's behaviour side by side in one process (`release`), the Userbuffers options (TE builds
+such modules only with its CUDA communicator), and the paths TE takes only on a GPU or with options megatron sets
+there (GroupedLinear's grouped-tensor path, distributed weights).
 """
 from __future__ import annotations
 
@@ -385,46 +388,3 @@ class StandInFusedMLP(torch.nn.Module):
 
 
 KINDS = (StandInLinear, StandInLayerNormMLP, StandInGroupedLinear)  # what the adapter switches (as TE's ...)
-
-
-# -- megatron's wrappers around TE's Linear (TEColumnParallelLinear / TERowParallelLinear), TP = 1 --------------
-class StandInMegatronTELinear(StandInLinear):
-    """megatron-core's TELinear over the stand-in: returns (output, bias or None); its backward_dw runs only with
-    megatron's own config.delay_wgrad_compute; is_first_microbatch as megatron hands it to TE."""
-
-    def __init__(self, layer, fuse_wgrad_accumulation: bool):
-        torch.nn.Module.__init__(self)
-        StandInTEModule.__init__(self, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-        self.config = layer.config
-        self.weight = layer.weight
-        self.bias = layer.bias if isinstance(layer.bias, torch.nn.Parameter) else None
-        self.te_return_bias = bool(layer.skip_bias_add) and self.bias is not None
-        self.is_first_microbatch = True
-
-    def forward(self, x, *unused_args, **unused_kwargs):
-        bias = None if self.te_return_bias else self.bias
-        out = _LinearFunction.apply(self.weight, x, bias, self, self._forward_store(), self.is_first_microbatch)
-        self.is_first_microbatch = False
-        return (out, self.bias) if self.te_return_bias else (out, None)
-
-    def backward_dw(self) -> None:
-        if self.config.delay_wgrad_compute:
-            super().backward_dw()
-
-
-def swap_in_standins(chunk, fuse_wgrad_accumulation: bool = False) -> int:
-    """Replace the tensor-parallel linear layers of `chunk`'s transformer layers (attention and MLP, experts
-    included) by StandInMegatronTELinear holding the same Parameters; returns how many. TP = 1 only."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    swapped = 0
-    for parent in list(chunk.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)) and ".layers." in _path(chunk, child):
-                setattr(parent, name, StandInMegatronTELinear(child, fuse_wgrad_accumulation))
-                swapped += 1
-    return swapped
-
-
-def _path(root, module) -> str:
-    return next("." + name for name, m in root.named_modules() if m is module)

@@ -80,12 +80,19 @@ class ModelSpec:
     # A HybridModel of these layers (megatron's --hybrid-layer-pattern: *, -, E; | cuts the stages) instead of a GPT;
     # its layers are pretrain_hybrid.py's local spec, num_layers the pattern's count
     hybrid_pattern: str | None = None
+    # "transformer_engine": megatron's default layers, TE's (its Python over the CPU kernel layer: the process must
+    # have installed TE's import hook before importing megatron, as tests/megatron/te_gpt_cases.py does)
+    transformer_impl: str = "local"
 
     def config_overrides(self) -> dict:
         """The TransformerConfig settings this spec adds to the harness's defaults."""
         overrides = {"add_bias_linear": self.add_bias_linear, "sequence_parallel": self.sequence_parallel,
                      "normalization": self.normalization, "ffn_hidden_size": self.ffn_hidden_size,
                      "qk_layernorm": self.qk_layernorm, "mtp_num_layers": self.mtp_num_layers}
+        if self.transformer_impl == "transformer_engine":  # as pretrain_gpt.py --zero-bubble-cpu configures it
+            from megatron.core.transformer.enums import AttnBackend
+
+            overrides["attention_backend"] = AttnBackend.unfused
         if self.hybrid_pattern is not None:  # as megatron.training configures a hybrid model
             overrides.update(num_layers=len(self.hybrid_pattern.replace("|", "")), is_hybrid_model=True)
         if self.swiglu:  # as megatron.training sets it for --swiglu
@@ -109,6 +116,11 @@ class ModelSpec:
         that megatron.training builds for MoE models (dense and MoE layers by the pattern)."""
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
+        if self.transformer_impl == "transformer_engine":
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            assert self.moe_layer_freq is None and self.mtp_num_layers is None, "TE spec: one layer spec for all"
+            return get_gpt_layer_with_transformer_engine_spec(self.num_experts, qk_layernorm=self.qk_layernorm)
         if self.moe_layer_freq is not None:
             return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=self.normalization,
                                               vp_stage=vp_stage)
@@ -180,13 +192,14 @@ def spawn(scenario: Callable, world_size: int, *args, timeout: float = DEFAULT_T
                 for rank in range(world_size)]
 
 
-def preload_megatron(training: bool = False) -> None:
-    """Import megatron-core (and megatron.training) in this process, so that forked ranks inherit it."""
+def preload_megatron(training: bool = False, transformer_engine: bool = False) -> None:
+    """Import megatron-core (and megatron.training) in this process, so that forked ranks inherit it (with TE's
+    Python over the CPU kernel layer when `transformer_engine`, else TE hidden)."""
     import importlib
 
     from megatron.zero_bubble.patches import imports
 
-    imports.install()
+    imports.install(transformer_engine=transformer_engine)
     for name in ("megatron.core.pipeline_parallel", "megatron.core.models.gpt",
                  "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed", "megatron.core.optimizer"):
         importlib.import_module(name)
@@ -215,11 +228,12 @@ def _rank_main(rank, world_size, result_dir, scenario, args, kwargs):
         torch.distributed.destroy_process_group()
 
 
-def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+def run_cases(run_case: Callable, cases: list, world_size: int, timeout: float = DEFAULT_TIMEOUT_S,
+              transformer_engine: bool = False) -> dict:
     """Every case (with a `label`) in ranks of its own, forked afresh, as a run starts its processes:
-    {label: [each rank's report]}. megatron-core is imported here first, once, so that the forks start at once.
-    `timeout`: seconds for each case."""
-    preload_megatron()
+    {label: [each rank's report]}. megatron-core is imported here first, once, so that the forks start at once
+    (`transformer_engine`: with TE's layers on the CPU kernel layer). `timeout`: seconds for each case."""
+    preload_megatron(transformer_engine=transformer_engine)
     return {case.label: spawn(run_case, world_size, case, timeout=timeout, start_method="fork") for case in cases}
 
 

@@ -33,7 +33,6 @@ class Case:
     dropout: float = 0.0
     wrong_w: bool = False  # WRONG_LAYER's deferred gradient is off by 1e-3 on pipeline rank 1
     noisy: bool = False  # the loss carries a factor 1 + 1e-6 k, k counting the loss functions called (never rewound)
-    te_standin: bool = False  # the transformer layers use the labelled TE stand-in
     steps: int = 3
 
 
@@ -95,20 +94,14 @@ def _run_case(case: Case) -> dict:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.zero_bubble.runtime.split_check import SplitCheckFailed
     from megatron.zero_bubble.training.session import ZeroBubbleSession
-    from tests import te_standin
-
     lines = []
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:
         process_groups.destroy_parallel_state()
     with ZeroBubbleSession(schedule_for=lambda m: _plan(case.schedule, case.layout.pp, m), v_stages=v_stages,
-                           bucket_every_stage=True, split_check=case.check, log=lines.append,
-                           te_layer_types=te_standin.KINDS if case.te_standin else None) as session:
+                           bucket_every_stage=True, split_check=case.check, log=lines.append) as session:
         process_groups.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
         chunks = rank_model.build_gpt_chunks(case.spec, init_seed=0, hidden_dropout=case.dropout)
-        if case.te_standin:
-            for chunk in chunks:
-                te_standin.swap_in_standins(chunk)
         chunks = rank_model.wrap_in_ddp(chunks, DistributedDataParallelConfig(overlap_grad_reduce=True,
                                                                               bucket_size=12_000))
         if case.wrong_w and parallel_state.get_pipeline_model_parallel_rank() == 1:
@@ -155,7 +148,6 @@ CASES = [
           ("dropout", PP2, "zb-auto", {"dropout": 0.1}),
           ("moe", PP2, "zb-h1", {"spec": MOE}),
           ("zb-v", Layout(pp=2, vpp=2), "zb-v", {}),
-          ("te-standin", PP2, "zb-h1", {"te_standin": True}),
       ] for check in ("check", "off")],
     Case("wrong-w", PP2, "zb-h1", True, wrong_w=True, steps=1),
     Case("noisy", PP2, "zb-h1", True, noisy=True, steps=1),
@@ -168,7 +160,7 @@ def reports():
     return harness.run_cases(_run_case, CASES, world_size=4, timeout=600)
 
 
-@pytest.mark.parametrize("label", ["dense", "dropout", "moe", "zb-v", "te-standin"])
+@pytest.mark.parametrize("label", ["dense", "dropout", "moe", "zb-v"])
 def test_the_split_check_passes_and_leaves_training_bit_for_bit_as_without_it(reports, label):
     checked, unchecked = reports[f"{label}/check"], reports[f"{label}/off"]
     harness.assert_identical(checked, unchecked)
@@ -178,7 +170,7 @@ def test_the_split_check_passes_and_leaves_training_bit_for_bit_as_without_it(re
     assert all(r["pending"] == 0 for r in checked)
 
 
-@pytest.mark.parametrize("label", ["dense", "moe", "te-standin"])
+@pytest.mark.parametrize("label", ["dense", "moe"])
 def test_rank_0_logs_one_line_with_layers_ranks_and_seconds(reports, label):
     lines = reports[f"{label}/check"][0]["lines"]
     checks = [line for line in lines if line.startswith("zero-bubble: split check:")]

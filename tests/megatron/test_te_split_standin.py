@@ -4,9 +4,9 @@ tests/te_standin.py keeps TE's deferral contract (per-module FIFO, backward_dw p
 queue", main_grad fusion with a placeholder gradient); here the runtime's WeightGradStore drives it: which modules
 are switched, the W order, BW passes, readiness, undo. The reference is the stand-in's own undeferred backward (what
 megatron's schedules run), compared with torch.equal. The same checks on TE's own modules are in te_split_cases.py
-(TE's Python on the CPU over the kernel layer, for one release of each line); what stays here is what TE's own code
-cannot show on the CPU: its FP8 path's bias gradients formed in B, and each release line's behaviour side by side in
-one process.
+(TE's Python on the CPU over the kernel layer, for one release of each line; FP8 included), and a GPT on TE's layers
+through the runtime in te_gpt_cases.py; what stays here is what TE's own code cannot show on the CPU: each release
+line's behaviour side by side in one process, and the refusals of modules TE builds only on a GPU (Userbuffers).
 """
 from __future__ import annotations
 
@@ -260,23 +260,6 @@ def test_which_modules_are_switched_and_undo_gives_each_its_own_queue_back():
         WeightGradStore("chunk 1").attach(block, ADAPTER)
     store.detach()
     assert all(block.get_submodule(name).wgrad_store is queue for name, queue in originals.items())
-
-
-def test_megatrons_wrapper_gates_its_backward_dw_but_the_split_calls_tes_own():
-    config = types.SimpleNamespace(delay_wgrad_compute=False)
-    local = types.SimpleNamespace(config=config, weight=torch.nn.Parameter(torch.randn(HIDDEN, HIDDEN)),
-                                  bias=torch.nn.Parameter(torch.randn(HIDDEN)), skip_bias_add=False)
-    layer = te_standin.StandInMegatronTELinear(local, fuse_wgrad_accumulation=False)
-    store = WeightGradStore("chunk 0")
-    store.attach(layer, ADAPTER)
-    x, dy = data()[0]
-    with store.split_backward():
-        layer(x)[0].backward(dy)
-    store.close_microbatch(0)
-    layer.backward_dw()  # megatron's wrapper: config.delay_wgrad_compute is off, so nothing
-    assert layer.wgrad_store.qsize() == 1
-    store.run_next(0)
-    assert layer.wgrad_store.empty() and layer.weight.grad is not None
 
 
 def test_a_deferral_outside_a_b_pass_is_refused():

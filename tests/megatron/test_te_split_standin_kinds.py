@@ -5,7 +5,9 @@ queued as plain objects holding tensors, bias gradients formed in B), a bias gra
 backward_dw expects to find in `.grad` (TE's FP8 Linear before 2.20, LayerNormMLP's bias-GELU fusion in every release;
 TE issue #3400), and the
 TE modules whose W stays in B (distributed weights; parameters megatron runs through TE's operation-based modules).
-The reference is the stand-in's own undeferred backward (megatron's schedules), compared with torch.equal.
+The reference is the stand-in's own undeferred backward (megatron's schedules), compared with torch.equal. TE's own
+modules show the bias gradients formed in B under FP8 and with LayerNormMLP's fusion (te_split_cases.py); the
+stand-in keeps the release lines side by side and the paths TE takes only on a GPU.
 """
 from __future__ import annotations
 

@@ -1,25 +1,35 @@
-"""A GPT whose transformer layers use the TE stand-in (tests/te_standin.py), trained through the runtime on CPU.
+"""A GPT on megatron's default layers, Transformer Engine's (TE's own Python over the labelled CPU kernel layer),
+trained through the runtime on CPU, tensor for tensor against megatron's own schedules. Run by test_te_gpt.py in a
+pytest process of its own: TE's import hook must be in place before megatron is imported (and the forked ranks
+inherit it), which no other pytest worker does.
 
-The stand-in replaces megatron's linear layers inside the transformer layers (megatron's TE wrappers' contract:
-(output, bias), backward_dw gated by megatron's own config), so the session splits them through the TE path
-(patches/te_wgrad.py) while embeddings and the output layer stay megatron's local layers. Reference: megatron's own
-1F1B on the same model (the stand-in's undeferred backward). Compared with torch.equal: losses, gradients and
-parameters after Adam steps, with megatron DDP's overlapped reduction (readiness through the store), the distributed
-optimizer, main_grad fusion, MoE experts, ZB-V, and optimizer post-validation with rollbacks and replays.
+The session splits TE's modules through their own deferral (patches/te_wgrad.py) while the embedding and the output
+layer stay megatron's local layers. Reference: megatron's own 1F1B on the same model (TE's fused backward). Compared
+with torch.equal: losses, gradients and parameters after Adam steps, with megatron DDP's overlapped reduction
+(readiness through the store), the distributed optimizer, MoE experts (TE's linear layers in megatron's
+SequentialMLP), ZB-V, and optimizer post-validation with rollbacks and replays. TE's gradient-accumulation fusion
+(main_grad) is te_split_cases.py's, per module: on the CPU megatron's own output layer has no fused kernel for it.
 """
 import dataclasses
 import functools
+import os
 import statistics
 
 import pytest
 import torch
 
-from tests.megatron import harness, process_groups, rank_model
-from tests.megatron.harness import Layout, ModelSpec
+from megatron.zero_bubble.patches import imports
 
-SPEC = ModelSpec()
-MOE = ModelSpec(num_experts=4, add_bias_linear=False)
-SPEC8 = ModelSpec(num_layers=8)
+imports.install(transformer_engine=True)  # TE's Python over the CPU kernel layer, before megatron is imported
+te = pytest.importorskip("transformer_engine.pytorch", reason="transformer_engine does not import here")
+os.environ.setdefault("NVTE_FLASH_ATTN", "0")  # as --zero-bubble-cpu sets them: TE's unfused attention
+os.environ.setdefault("NVTE_FUSED_ATTN", "0")
+
+from tests.megatron import harness, process_groups, rank_model  # noqa: E402
+from tests.megatron.harness import Layout, ModelSpec  # noqa: E402
+
+SPEC = ModelSpec(transformer_impl="transformer_engine")
+MOE = ModelSpec(num_experts=4, add_bias_linear=False, transformer_impl="transformer_engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +42,12 @@ class Case:
     ddp: bool = True
     overlap: bool = False
     distributed: bool = False
-    fuse: bool = False  # the stand-in accumulates its weight gradients into main_grad itself
     steps: int = 3
     post_validation: bool = False  # with clipping that rolls steps back (exact rollback)
     clip: float = 0.0
-    slow_wgrad_s: float = 0.0  # > 0: every stand-in weight-gradient GEMM takes this much longer; passes are timed
+    slow_wgrad_s: float = 0.0  # > 0: every weight-gradient GEMM of TE takes this much longer; passes are timed
+    fp8: str | None = None  # megatron's --fp8-recipe (with --fp8-format hybrid); None: no FP8
+    check: bool = False  # the split check before the first iteration (split_check.py)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +60,6 @@ def _plan(name, stages, microbatches, post_validation):
 
 def _run_case(case: Case) -> dict:
     from megatron.zero_bubble.training.session import ZeroBubbleSession
-    from tests import te_standin
 
     plans = None
     if case.schedule is not None:
@@ -57,12 +67,15 @@ def _run_case(case: Case) -> dict:
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:
         process_groups.destroy_parallel_state()
+    lines = []
     with ZeroBubbleSession(schedule_for=plans, v_stages=v_stages, bucket_every_stage=case.overlap,
-                           te_layer_types=te_standin.KINDS) as session:
-        return _train(case, session, te_standin)
+                           split_check=case.check, log=lines.append) as session:
+        report = _train(case, session)
+        check = session.executor.split_check if session.executor is not None else None
+        return {**report, "lines": lines, "checked": check.results if check is not None else None}
 
 
-def _train(case: Case, session, te_standin) -> dict:
+def _train(case: Case, session) -> dict:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -70,9 +83,10 @@ def _train(case: Case, session, te_standin) -> dict:
 
     process_groups.init_parallel_state(case.layout.tp, case.layout.pp, case.layout.vpp)
     if case.slow_wgrad_s:
-        _slow_down_wgrad(te_standin, case.slow_wgrad_s)
-    chunks = rank_model.build_gpt_chunks(case.spec, init_seed=0)
-    swapped = sum(te_standin.swap_in_standins(chunk, case.fuse) for chunk in chunks)
+        _slow_down_wgrad(case.slow_wgrad_s)
+    fp8 = {} if case.fp8 is None else {"fp8": "hybrid", "fp8_recipe": case.fp8}
+    chunks = rank_model.build_gpt_chunks(case.spec, init_seed=0, **fp8)
+    te_modules = sum(isinstance(m, te.Linear | te.LayerNormLinear) for chunk in chunks for m in chunk.modules())
     if case.ddp:
         chunks = rank_model.wrap_in_ddp(chunks, DistributedDataParallelConfig(
             overlap_grad_reduce=case.overlap, use_distributed_optimizer=case.distributed,
@@ -113,27 +127,26 @@ def _train(case: Case, session, te_standin) -> dict:
         chunk.start_param_sync(force_sync=True)
     stores = session.executor.stores if session.executor is not None else []
     return {"dp_rank": parallel_state.get_data_parallel_rank(), "losses": losses, "grads": grads,
-            "params": rank_model.full_params(chunks), "swapped": swapped, "events": list(reductions),
+            "params": rank_model.full_params(chunks), "te_modules": te_modules, "events": list(reductions),
             "split_weights": sum(len(store.weights) for store in stores),
             "rollbacks": controller.rollbacks if controller is not None else 0}
 
 
-def _slow_down_wgrad(te_standin, seconds: float) -> None:
-    """Every weight-gradient GEMM of the stand-in sleeps `seconds` first (in this forked rank only)."""
+def _slow_down_wgrad(seconds: float) -> None:
+    """Every weight-gradient GEMM (layout "NT") of the CPU kernel layer sleeps `seconds` first (in this forked rank
+    only; TE's Python looks the kernel up on the module at each call)."""
+    import sys
     import time
 
-    make = te_standin._wgrad_gemm
+    tex = sys.modules["transformer_engine_torch"]
+    gemm = tex.generic_gemm
 
-    def slow_make(*args):
-        gemm = make(*args)
-
-        def slow(x, dy):
+    def slow(A, transa, B, transb, *args, **kwargs):
+        if not transa and transb:
             time.sleep(seconds)
-            return gemm(x, dy)
+        return gemm(A, transa, B, transb, *args, **kwargs)
 
-        return slow
-
-    te_standin._wgrad_gemm = slow_make
+    tex.generic_gemm = slow
 
 
 def _logged(function, events: list, event: tuple):
@@ -151,9 +164,6 @@ CASES = [
     Case("pp2xdp2/zb-auto/overlap", Layout(pp=2), "zb-auto", overlap=True),
     Case("pp2xdp2/megatron/overlap/distributed", Layout(pp=2), None, overlap=True, distributed=True),
     Case("pp2xdp2/zb-h1/overlap/distributed", Layout(pp=2), "zb-h1", overlap=True, distributed=True),
-    Case("pp2xdp2/megatron/fused", Layout(pp=2), None, fuse=True),
-    Case("pp2xdp2/zb-h1/fused/overlap", Layout(pp=2), "zb-h1", fuse=True, overlap=True),
-    Case("pp2xdp2/megatron/fused/overlap", Layout(pp=2), None, fuse=True, overlap=True),
     Case("pp2xdp2/megatron/moe", Layout(pp=2), None, spec=MOE),
     Case("pp2xdp2/zb-h1/moe", Layout(pp=2), "zb-h1", spec=MOE),
     Case("pp1/megatron", Layout(), None, ddp=False, steps=1),
@@ -161,42 +171,49 @@ CASES = [
     Case("pp2xdp2/megatron/clip", Layout(pp=2), None, clip=0.6, steps=4),
     Case("pp2xdp2/zb-h1/post-validation", Layout(pp=2), "zb-h1", clip=0.6, steps=4, post_validation=True),
     Case("pp2xdp2/zb-h1/slow-wgrad", Layout(pp=2), "zb-h1", ddp=False, steps=1, slow_wgrad_s=0.02),
+    # FP8 (emulated per-tensor kernels): the split, and the split check, which must leave delayed scaling's amax
+    # histories and scales as 1F1B has them (every later cast depends on them)
+    Case("pp2xdp2/megatron/fp8-delayed", Layout(pp=2), None, fp8="delayed"),
+    Case("pp2xdp2/zb-h1/fp8-delayed", Layout(pp=2), "zb-h1", fp8="delayed"),
+    Case("pp2xdp2/zb-h1/fp8-delayed/check", Layout(pp=2), "zb-h1", fp8="delayed", check=True),
+    Case("pp2xdp2/megatron/fp8-tensorwise", Layout(pp=2), None, fp8="tensorwise"),
+    Case("pp2xdp2/zb-auto/fp8-tensorwise/check", Layout(pp=2), "zb-auto", fp8="tensorwise", check=True),
+    Case("pp2xdp2/zb-h1/check", Layout(pp=2), "zb-h1", check=True),
 ]
 
 
 @pytest.fixture(scope="module")
 def reports():
-    return harness.run_cases(_run_case, CASES, world_size=4, timeout=600)
+    return harness.run_cases(_run_case, CASES, world_size=4, timeout=600, transformer_engine=True)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("label, reference", [
     *[(f"pp2xdp2/{s}", "pp2xdp2/megatron") for s in ("zb-h1", "zb-h2", "zb-auto")],
     ("pp2xdp2/zb-auto/overlap", "pp2xdp2/megatron/overlap"),
     ("pp2xdp2/zb-h1/overlap/distributed", "pp2xdp2/megatron/overlap/distributed"),
-    ("pp2xdp2/zb-h1/fused/overlap", "pp2xdp2/megatron/fused"),
     ("pp2xdp2/zb-h1/moe", "pp2xdp2/megatron/moe"),
     ("pp2xdp2/zb-h1/post-validation", "pp2xdp2/megatron/clip"),
+    ("pp2xdp2/zb-h1/fp8-delayed", "pp2xdp2/megatron/fp8-delayed"),
+    ("pp2xdp2/zb-h1/fp8-delayed/check", "pp2xdp2/megatron/fp8-delayed"),
+    ("pp2xdp2/zb-auto/fp8-tensorwise/check", "pp2xdp2/megatron/fp8-tensorwise"),
+    ("pp2xdp2/zb-h1/check", "pp2xdp2/megatron"),
 ])
-def test_standin_te_layers_split_by_the_runtime_match_megatrons_1f1b_bit_for_bit(reports, label, reference):
+def test_te_layers_split_by_the_runtime_match_megatrons_1f1b_bit_for_bit(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
-    assert all(r["split_weights"] > 0 for r in reports[label])  # the stand-in's weights went through W
+    assert all(r["split_weights"] > 0 for r in reports[label])  # TE's weights went through W
 
 
-@pytest.mark.slow
-def test_zb_v_on_standin_te_layers_matches_a_single_stage_run(reports):
+def test_zb_v_on_te_layers_matches_a_single_stage_run(reports):
     harness.assert_identical(reports["pp2xdp2/zb-v"], reports["pp1/megatron"], replicas=[0])
 
 
-@pytest.mark.slow
-def test_every_standin_layer_was_swapped_and_split(reports):
+def test_every_te_linear_layer_was_split(reports):
     # 4 layers x (qkv, proj, fc1, fc2) over the ranks of one replica; each a weight and a bias
-    assert sum(r["swapped"] for r in reports["pp2xdp2/zb-h1"] if r["dp_rank"] == 0) == 16
+    assert sum(r["te_modules"] for r in reports["pp2xdp2/zb-h1"] if r["dp_rank"] == 0) == 16
     assert sum(r["split_weights"] for r in reports["pp2xdp2/zb-h1"] if r["dp_rank"] == 0) == 32 + 1  # + output layer (no bias)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("label", ["pp2xdp2/zb-auto/overlap", "pp2xdp2/zb-h1/fused/overlap"])
+@pytest.mark.parametrize("label", ["pp2xdp2/zb-auto/overlap", "pp2xdp2/zb-h1/overlap/distributed"])
 def test_overlapped_reduction_starts_each_bucket_once_the_first_while_w_passes_remain(reports, label):
     for report in reports[label]:
         events = report["events"]
@@ -205,18 +222,30 @@ def test_overlapped_reduction_starts_each_bucket_once_the_first_while_w_passes_r
         assert starts and starts[0] < last_w, events
 
 
-@pytest.mark.slow
-def test_post_validation_rolled_back_and_replayed_with_standin_te_layers(reports):
+def test_post_validation_rolled_back_and_replayed_with_te_layers(reports):
     assert any(r["rollbacks"] for r in reports["pp2xdp2/zb-h1/post-validation"])
 
 
-def test_the_measured_w_passes_hold_the_standin_te_layers_weight_gradients(reports):
+def test_the_measured_w_passes_hold_the_te_layers_weight_gradients(reports):
     """What re-planning measures as T_W (the executor's observed W passes) is where TE's deferred GEMMs run: with each
-    stand-in GEMM 20 ms slower, every W pass takes at least its 8 GEMMs (2 layers x 4 linear layers per rank), and B
-    passes, which only queue them, take less."""
+    weight-gradient GEMM 20 ms slower, every W pass takes at least its 8 GEMMs (2 layers x 4 linear layers per rank),
+    and B passes, which only queue them, take less."""
     for report in reports["pp2xdp2/zb-h1/slow-wgrad"]:
         timed = [(op, seconds) for kind, op, seconds in (e for e in report["events"] if e[0] == "timed")]
         w = [seconds for op, seconds in timed if op == "W"]
         b = [seconds for op, seconds in timed if op == "B"]
         assert len(w) == 4 and min(w) >= 8 * 0.02
         assert b and statistics.median(b) < min(w)
+
+
+@pytest.mark.parametrize("label", ["pp2xdp2/zb-h1/check", "pp2xdp2/zb-h1/fp8-delayed/check",
+                                   "pp2xdp2/zb-auto/fp8-tensorwise/check"])
+def test_the_split_check_on_te_layers_finds_them_bit_identical_in_one_line(reports, label):
+    """Fused and split bit for bit on TE's layers (under FP8 too: the recipe's state is put back before each of the
+    check's runs); the training after it is megatron's, tensor for tensor (the test above)."""
+    report = reports[label]
+    results = report[0]["checked"]
+    assert len(results) == 4 and all(r.mismatch is None and r.noise is None for r in results)
+    assert all(r.kinds.get("TELayerNormColumnParallelLinear") for r in results)
+    lines = [line for line in report[0]["lines"] if line.startswith("zero-bubble: split check:")]
+    assert len(lines) == 1 and "bit-identical" in lines[0] and "TERowParallelLinear" in lines[0]
