@@ -8,7 +8,7 @@ on hybrid models case by case, tensor for tensor (even, MoE and post-validation 
 test_hybrid_models.py's. The models have no dropout and start from the same weights in any layout
 (--init-weights-by-global-name), so megatron's printed losses must match to the last digit; the norms too on the same
 layout (megatron adds one partial norm per rank: across layouts the norms match to their printed digits, so nothing
-is clipped).
+is clipped). The layers are megatron's default, Transformer Engine's (its Python over the CPU kernel layer).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tests.megatron.test_pretrain_gpt import ITERS, TRAIN
 MODEL = ("--zero-bubble-cpu --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 16 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data "
          "--hidden-dropout 0 --attention-dropout 0 --init-weights-by-global-name --seed 1234 "
-         "--transformer-impl local --clip-grad 0 --log-params-norm").split()
+         "--clip-grad 0 --log-params-norm").split()  # megatron's default layers: Transformer Engine's
 PP2 = ["--pipeline-model-parallel-size", "2"]
 NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]
 # The same eight layers cut three ways: unevenly over two ranks, two chunks per rank, the V's 2p segments.
