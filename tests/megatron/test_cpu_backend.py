@@ -195,7 +195,9 @@ def test_uninstall_restores_every_patched_attribute_and_leaves_torch_alone():
     assert "LanguageModule.setup_embeddings_and_output_layer" in patched
     assert {"WrappedTorchNorm.__new__", "TopKRouter._apply_expert_bias",
             "megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu"} <= patched
-    assert len(patched) == len(expected_torch_names) + 13  # the function replacements, one line each
+    assert {"megatron.core.tensor_parallel.layers.fused_weight_gradient_mlp_cuda",
+            "megatron.core.tensor_parallel.layers._grad_accum_fusion_available"} <= patched
+    assert len(patched) == len(expected_torch_names) + 15  # the function replacements, one line each
 
 
 @needs_cpu_only_machine
@@ -222,6 +224,31 @@ def test_rotary_embeddings_are_built_and_computed_on_the_cpu_with_the_backend_an
     assert emb.device.type == "cpu" and torch.equal(emb, torch.cat((angles, angles), dim=-1)[:, None, None, :])
     with pytest.raises((AssertionError, RuntimeError), match="CUDA"):
         RotaryEmbedding(kv_channels=16, rotary_percent=1.0)
+
+
+@needs_cpu_only_machine
+def test_gradient_accumulation_fusion_adds_into_main_grad_with_the_backend_and_is_refused_without():
+    """megatron's default, --gradient-accumulation-fusion: its layers' weight-gradient GEMM adds into main_grad
+    through apex's kernel, emulated by the backend (float32 product, one addition); without the backend megatron
+    refuses the layer for want of apex."""
+    from megatron.zero_bubble.patches import cpu_backend, cpu_backend_core
+
+    cpu_backend.install()
+    x, dy, main_grad = torch.randn(2, 3, 4), torch.randn(2, 3, 5, dtype=torch.bfloat16), torch.randn(5, 4)
+    want = main_grad + dy.reshape(6, 5).float().t() @ x.reshape(6, 4)
+    try:
+        from megatron.core.tensor_parallel import layers
+
+        assert layers.fused_weight_gradient_mlp_cuda is cpu_backend_core.ApexWgradOnCpu
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, main_grad)
+        assert torch.equal(main_grad, want)
+        half = main_grad.to(torch.bfloat16)
+        layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16(x, dy, half)
+        assert torch.equal(half, (main_grad.to(torch.bfloat16).float() + dy.reshape(6, 5).float().t()
+                                  @ x.reshape(6, 4)).to(torch.bfloat16))
+    finally:
+        cpu_backend.uninstall()
+    assert not layers._grad_accum_fusion_available and not hasattr(layers, "fused_weight_gradient_mlp_cuda")
 
 
 def test_install_refuses_a_machine_with_cuda_unless_forced(monkeypatch):

@@ -12,7 +12,9 @@ Patches (each needed on some CPU code path, each proven necessary by switching i
 - `LanguageModule.setup_embeddings_and_output_layer` runs with `.cuda()` as identity (tied embeddings
   across pipeline stages move the output-layer copy with `weight.data.cuda()`);
 - the tracker's warning "CPU RNG state changed within GPU RNG context" is filtered out of its logger:
-  here the device generator *is* the CPU one, so every forked draw (weight init, dropout) would warn.
+  here the device generator *is* the CPU one, so every forked draw (weight init, dropout) would warn;
+- megatron's gradient-accumulation fusion (its default; the layers' fused weight-gradient GEMM into `main_grad`)
+  gets apex's `fused_weight_gradient_mlp_cuda`, emulated on the CPU (`ApexWgradOnCpu`, labelled as such).
 
 torch itself is not modified (except inside that one call, see `cuda_calls_stay_on_cpu`): only names
 inside megatron modules are rebound, and `uninstall()` puts every one of them back.
@@ -35,6 +37,8 @@ CUDA_TYPE_NAMES_IN_CONSTRUCTORS = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
 )
 RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+# megatron modules that call apex's fused_weight_gradient_mlp_cuda by its global name
+GRADIENT_ACCUMULATION_FUSION_USERS = ("megatron.core.tensor_parallel.layers",)
 
 # Modules whose functions on the CPU path use torch.cuda.* or device="cuda"; why, in one line each.
 MODULES_SEEING_CPU_AS_CUDA = (
@@ -92,6 +96,7 @@ class CoreCpuBackend(MegatronPatch):
         self._patch_clip_grads()
         self._patch_tied_embedding_setup()
         self._patch_cuda_type_names()
+        self._patch_gradient_accumulation_fusion()
         logging.getLogger(RNG_TRACKER_LOGGER).addFilter(self.rng_warning_filter)
 
     def uninstall(self) -> None:
@@ -143,6 +148,16 @@ class CoreCpuBackend(MegatronPatch):
         wrapped = with_cuda_calls_on_cpu(module_class.setup_embeddings_and_output_layer)
         self.patches.replace(module_class, "setup_embeddings_and_output_layer", wrapped)
 
+    def _patch_gradient_accumulation_fusion(self) -> None:
+        # megatron binds apex's module at import where apex is built (never on a CPU machine) and refuses
+        # gradient_accumulation_fusion without it; its layers call it by that global name
+        for name in GRADIENT_ACCUMULATION_FUSION_USERS:
+            module = importlib.import_module(name)
+            if "fused_weight_gradient_mlp_cuda" not in vars(module):
+                self.patches.add(module, "fused_weight_gradient_mlp_cuda", ApexWgradOnCpu)
+        layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+        self.patches.replace(layers, "_grad_accum_fusion_available", True)
+
     def _patch_cuda_type_names(self) -> None:
         # The mixed-precision and distributed optimizers sort parameters by `param.type()` names
         # ('torch.cuda.BFloat16Tensor', ...) in their constructors, which CPU tensors never have; inside those
@@ -150,6 +165,28 @@ class CoreCpuBackend(MegatronPatch):
         for module_name, class_name in CUDA_TYPE_NAMES_IN_CONSTRUCTORS:
             owner = getattr(importlib.import_module(module_name), class_name)
             self.patches.replace(owner, "__init__", _with_cuda_type_names(owner.__init__))
+
+
+class ApexWgradOnCpu:
+    """EMULATION of apex's `fused_weight_gradient_mlp_cuda` on the CPU: the weight gradient d_output^T @ input (both
+    flattened to 2-D) formed in float32 and added into `d_weight` (megatron's main_grad), as apex's GEMM does with
+    cuBLAS's float32 compute type and beta = 1; rounded once into a 16-bit main_grad."""
+
+    @staticmethod
+    def _product(input: torch.Tensor, d_output: torch.Tensor) -> torch.Tensor:
+        return d_output.reshape(-1, d_output.shape[-1]).float().t() @ input.reshape(-1, input.shape[-1]).float()
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+        if d_weight.dtype != torch.float32:
+            raise TypeError(f"wgrad_gemm_accum_fp32: d_weight is {d_weight.dtype}, expected float32")
+        d_weight.add_(ApexWgradOnCpu._product(input, d_output))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(input: torch.Tensor, d_output: torch.Tensor, d_weight: torch.Tensor) -> None:
+        if d_weight.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"wgrad_gemm_accum_fp16: d_weight is {d_weight.dtype}, expected float16 or bfloat16")
+        d_weight.copy_(d_weight.float() + ApexWgradOnCpu._product(input, d_output))
 
 
 def _with_cuda_type_names(function):

@@ -45,8 +45,9 @@ UNSUPPORTED_FLAGS = {
 
 # megatron's defaults assume CUDA; on CPU these work (the fusions would compile with torch.compile, seconds per
 # process for no gain at CPU sizes; masked softmax's fp16/bf16 kernel is CUDA-only; apply_rope_fusion is Transformer
-# Engine's RoPE kernel, megatron's --no-rope-fusion)
-CPU_DEFAULTS = dict(distributed_backend="gloo", gradient_accumulation_fusion=False, no_persist_layer_norm=True,
+# Engine's RoPE kernel, megatron's --no-rope-fusion). Gradient-accumulation fusion stays megatron's default (on):
+# TE's layers fuse on the CPU kernel layer, megatron's own over apex's kernel emulated (cpu_backend_core.py).
+CPU_DEFAULTS = dict(distributed_backend="gloo", no_persist_layer_norm=True,
                     transformer_impl="local", bias_gelu_fusion=False, bias_swiglu_fusion=False,
                     bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False)
 
