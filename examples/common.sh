@@ -21,12 +21,13 @@ tiny() { [ "${TINY:-0}" = 1 ]; }
 
 is_mock() { [ -z "$1" ] || [ "$1" = MOCK ]; }
 
-# The CPU mode's device flags: --zero-bubble-cpu hides the GPUs and trains with gloo, without apex's kernels. The layers
-# stay megatron's default, Transformer Engine's: on the CPU its own Python over this package's labelled CPU kernels
-# (scripts/install.sh installs it; without it, megatron's local layers).
+# The CPU mode's device flags: --zero-bubble-cpu hides the GPUs and trains with gloo, without apex's fused norm and
+# softmax. The layers stay megatron's default, Transformer Engine's: on the CPU its own Python over this package's
+# labelled CPU kernels (scripts/install.sh installs it; without it, megatron's local layers), with megatron's
+# gradient-accumulation fusion as on a GPU.
 # shellcheck disable=SC2034  # used by the scripts that source this file
-CPU_ARGS=(--zero-bubble-cpu --distributed-backend gloo --no-gradient-accumulation-fusion
-          --no-persist-layer-norm --no-masked-softmax-fusion --num-workers 0)
+CPU_ARGS=(--zero-bubble-cpu --distributed-backend gloo --no-persist-layer-norm --no-masked-softmax-fusion
+          --num-workers 0)
 
 tokenizer_args() {  # tokenizer_args ARRAY TOKENIZER_MODEL VOCAB_SIZE_FOR_MOCK: appends to the array named ARRAY
   local -n into=$1

@@ -32,8 +32,7 @@ EXAMPLES = ("llama3_8b", "gpt3_175b", "mixtral_8x7b", "deepseek_moe")
 # Every knob an example reads from the environment (examples/*.sh headers, examples/common.sh)
 KNOBS = ("TINY", "DRY_RUN", "ARGS_FILE", "EXTRA_ARGS", "TP", "PP", "EP", "VPP", "MLA", "MICRO_BATCH", "GLOBAL_BATCH",
          "TRAIN_ITERS", "NPROC_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHRUN")
-CPU_FLAGS = {"--zero-bubble-cpu": True, "--distributed-backend": "gloo",
-             "--no-gradient-accumulation-fusion": True, "--no-persist-layer-norm": True,
+CPU_FLAGS = {"--zero-bubble-cpu": True, "--distributed-backend": "gloo", "--no-persist-layer-norm": True,
              "--no-masked-softmax-fusion": True, "--num-workers": "0"}
 # Flags whose value the tiny mode shrinks (sizes, layout, length of the run); every other flag keeps its value.
 SHRUNK = {"--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
