@@ -49,6 +49,7 @@ NO_CLIP = ["--clip-grad", "0", "--log-params-norm"]
 # speculatively and rolled back (at clip 1.0, right for four stages, the first of two already defers its step).
 PV_MODEL = ["--untie-embeddings-and-output-weights", "--clip-grad", "1.2"]
 TIMERS = "--zero-bubble-pipeline-timers-start-iter 2 --zero-bubble-pipeline-timers-end-iter 4".split()
+RESUMED_TIMERS = "--zero-bubble-pipeline-timers-start-iter 0 --zero-bubble-pipeline-timers-end-iter 1".split()
 NO_ILP = ["--zero-bubble-ilp-time-limit", "0"]  # the planner's heuristic alone: seconds less per plan
 EXACT_PV = ["--enable-optimizer-post-validation", "--zero-bubble-exact-rollback"]
 # Mixture of experts (top-2 of 4, aux loss, alltoall, expert bias updated after each step); with post-validation
@@ -88,9 +89,10 @@ def definitions(work: str) -> dict[str, RunDefinition]:
                                             "--zero-bubble-dump-schedule", path("dump")], None),
         "pp4/zb-v": (4, PP4 + NO_CLIP + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule",
                                          path("dump-v")], None),
-        # megatron's distributed checkpoint names layers by their global number: a V resumes a 1F1B save
+        # megatron's distributed checkpoint names layers by their global number: a V resumes a 1F1B save; its timer
+        # window counts from the resumed iteration (3): iteration 4 measured, re-planned for iteration 5
         "pp4/zb-v/from-megatron": (4, PP4 + NO_CLIP + ["--zero-bubble-v-schedule", "--load", path("ckpt"),
-                                                       "--ckpt-step", "3"], "pp4/megatron"),
+                                                       "--ckpt-step", "3", *RESUMED_TIMERS], "pp4/megatron"),
         # megatron resumes its own checkpoint bit for bit (its resumed run printed these lines, but the losses it
         # averages over a start): its uninterrupted run is the reference of our resumed run too
         "pp2/megatron/clip": (2, PP2 + PV_MODEL, None),
@@ -160,6 +162,15 @@ def test_a_v_resumes_megatrons_checkpoint_with_the_uninterrupted_losses(runs):
     assert "successfully saved checkpoint" in runs["pp4/megatron"]
     resumes_like(runs["pp4/zb-v/from-megatron"], runs["pp4/megatron"], first=4, last=ITERS,
                  evaluations_after=_evaluations(4), norms_to_the_printed_digit=True)
+
+
+def test_a_resumed_run_measures_and_re_plans_in_its_own_timer_window(runs):
+    """The window counts from the checkpoint's iteration (3): a resumed run measures its own passes and re-plans on
+    them, as a new run does, instead of keeping the guess from the model's shape for the rest of the run."""
+    log = runs["pp4/zb-v/from-megatron"]
+    assert "re-planned from measured pass times after iteration 4" in log
+    assert re.search(r"zero-bubble: re-planned zb-v .*from costs measured in iterations 4-4 .*running it from "
+                     r"iteration 5", log), log[-3000:]
 
 
 SCHEDULE_LINE = re.compile(r"zero-bubble: (running|re-planned) (\S+) .*predicted bubble rate ([0-9.]+)%")

@@ -8,7 +8,9 @@ It owns a `PipelineExecutor` whose `plan_for(m)` it answers, and puts three coll
 - agreement (agreement.py): every rank's facts go to rank 0, its decision comes back, every rank
   validates it, so all run the same schedule;
 - profiling (profiling.py): while megatron's iteration counter (completed iterations; its log prints
-  counter i as "iteration i+1") is in [timers_start_iter, timers_end_iter), every rank records pass times
+  counter i as "iteration i+1") is in [timers_start_iter, timers_end_iter), counted from the counter at this
+  process's first training call (0 for a new run, the checkpoint's iteration for a resumed one: a resumed run
+  re-plans on costs it measured, as a new run does), every rank records pass times
   and activation bytes. At the end of counter timers_end_iter - 1 each rank times a p2p ping-pong
   (T_comm), rank 0 re-plans from the measurements (the slowest replica of each stage), and every rank
   switches at the same iteration (logged as timers_end_iter + 1).
@@ -21,6 +23,7 @@ directory it writes each schedule as JSON (the re-planned one with that comparis
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -63,6 +66,7 @@ class ReplanningPipeline:
         self.memory_probe: MemoryProbe | None = None  # reads the allocator in profiled calls only
         self._call_start, self._measured = 0.0, []  # the timed call's start and its passes (pass, start, end)
         self._announced: set[int] = set()
+        self._window_placed = False  # the timer window counted from the first training call's iteration
 
     @property
     def layout(self) -> str:
@@ -81,6 +85,7 @@ class ReplanningPipeline:
         timing = False
         if training:
             iteration = self.current_iteration()
+            s = self._place_window(iteration)
             timing = s.timers_start_iter <= iteration < s.timers_end_iter
             m = kwargs["num_microbatches"]
             if m not in self._announced:
@@ -100,6 +105,18 @@ class ReplanningPipeline:
             if iteration == s.timers_end_iter - 1:
                 self._replan(kwargs, first_logged=iteration + 2)  # megatron logs counter i as iteration i+1
         return result
+
+    def _place_window(self, first_iteration: int) -> PlanSettings:
+        """The settings with the timer window counted from `first_iteration`, the counter at the first training
+        call (a resumed run starts at its checkpoint's); set once, for the planner's lines and records too."""
+        if not self._window_placed:
+            self._window_placed = True
+            if first_iteration:
+                s = self.settings
+                self.settings = dataclasses.replace(s, timers_start_iter=s.timers_start_iter + first_iteration,
+                                                    timers_end_iter=s.timers_end_iter + first_iteration)
+                self.planner.settings = self.settings
+        return self.settings
 
     def _record_pass(self, p: Pass, start: float, end: float) -> None:
         self._measured.append((p, start - self._call_start, end - self._call_start))

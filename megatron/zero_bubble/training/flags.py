@@ -155,7 +155,8 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=None, metavar="START",
                        help=f"Re-planning from measured costs: pass times and activation sizes are recorded while "
                        f"megatron's count of completed iterations is in [START, END), i.e. in the iterations its "
-                       f"log numbers START+1..END (default {DEFAULT_TIMERS[0]}).")
+                       f"log numbers START+1..END, counted from where the run starts (a run resumed from the "
+                       f"checkpoint of iteration N records N+START+1..N+END) (default {DEFAULT_TIMERS[0]}).")
     group.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=None, metavar="END",
                        help=f"After logged iteration END the costs are gathered, the schedule is re-planned on one "
                        f"rank and broadcast; every rank runs it from logged iteration END+1 on (default "
