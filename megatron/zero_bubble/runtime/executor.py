@@ -95,6 +95,11 @@ class PipelineExecutor:
         self.release()
         self.messaging.close()
 
+    def prepare(self, schedule: Schedule) -> None:
+        """Lower `schedule` for training and check it (ScheduleError if its lowering or a proof fails), ahead of
+        the iteration that runs it."""
+        self._lowered_run(schedule, forward_only=False)
+
     def _lowered_run(self, schedule: Schedule, forward_only: bool) -> LoweredRun:
         """The lowering of `schedule`, computed and checked once per schedule."""
         key = (schedule.microbatches, forward_only)

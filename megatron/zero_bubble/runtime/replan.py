@@ -147,6 +147,8 @@ class ReplanningPipeline:
         decision = agree(facts, lambda gathered: self.planner.decide(m, gathered, previous))
         try:
             schedule = schedule_of(decision)
+            if previous is not None:  # its lowering and proofs now, as its first iteration would make them: every
+                self.executor.prepare(schedule)  # rank makes the same, so all keep or all switch
         except ScheduleError as error:
             if previous is None:
                 raise
