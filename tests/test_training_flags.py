@@ -78,3 +78,17 @@ def test_a_v_schedules_two_chunks_are_handed_to_megatron_only_when_no_layout_fla
     args, _ = arguments.early_parser().parse_known_args(MODEL + PP4 + ["--zero-bubble-v-schedule", *flags])
     options = types.SimpleNamespace(schedule="zb-v")
     assert arguments.megatron_defaults(options, args) == expected
+
+
+def test_megatrons_yaml_config_is_refused_with_a_zero_bubble_flag_it_would_drop(monkeypatch, tmp_path):
+    """--yaml-cfg makes megatron replace every command-line flag by the file's: a zero-bubble flag beside it would be
+    dropped unseen (--zero-bubble-cpu included). Without one, the run is megatron's own and the file megatron's to
+    read."""
+    config = tmp_path / "run.yaml"
+    config.write_text("num_layers: 8\n")
+    message = _refusal(PP4 + ["--yaml-cfg", str(config), "--pipeline-schedule", "zb-h1"], monkeypatch)
+    assert message == ("--yaml-cfg makes megatron ignore the command line, --pipeline-schedule with it (its YAML "
+                       "arguments replace every flag); pass megatron's flags on the command line instead of --yaml-cfg")
+    from megatron.zero_bubble.training import early
+
+    early._check_yaml([f for f in MODEL if f != "--zero-bubble-cpu"] + PP4 + ["--yaml-cfg", str(config)])

@@ -326,17 +326,22 @@ _NOT_WITH_THE_RUNTIME = {
 
 
 # How megatron's own schedules post pipeline messages: the runtime posts batches of its own on megatron's pipeline group
-# (docs/communication.md), so these would change nothing; refused rather than ignored.
+# (docs/communication.md), so these would change nothing; refused rather than ignored. Read from the parsed arguments,
+# before megatron validates them (it switches overlap_p2p_comm off itself without an interleaved schedule):
+# option -> (destination, the value that option sets, why).
 _P2P_FLAGS_NOT_HONOURED = {
-    "--no-overlap-p2p-communication": "it chooses how megatron's interleaved schedule posts its messages",
-    "--overlap-p2p-communication-warmup-flush": "it tunes megatron's interleaved schedule's message overlap",
-    "--use-ring-exchange-p2p": "it replaces megatron's batched sends and receives with a ring exchange",
+    "--no-overlap-p2p-communication": ("overlap_p2p_comm", False,
+                                       "it chooses how megatron's interleaved schedule posts its messages"),
+    "--overlap-p2p-communication-warmup-flush": ("overlap_p2p_comm_warmup_flush", True,
+                                                 "it tunes megatron's interleaved schedule's message overlap"),
+    "--use-ring-exchange-p2p": ("use_ring_exchange_p2p", True,
+                                "it replaces megatron's batched sends and receives with a ring exchange"),
 }
 
 
-def _check_p2p_flags(args, argv: list[str], flag: str) -> None:
-    for option, why in _P2P_FLAGS_NOT_HONOURED.items():
-        if given(argv, option):
+def _check_p2p_flags(args, flag: str) -> None:
+    for option, (name, value, why) in _P2P_FLAGS_NOT_HONOURED.items():
+        if getattr(args, name, not value) is value:
             raise StartupRefusal(f"{option} does not apply with the zero-bubble runtime ({flag}), which posts its "
                                  f"messages in batches of its own on the pipeline group: {why}; drop {option}")
     if getattr(args, "pipeline_model_parallel_comm_backend", None) == "ucc":
@@ -387,7 +392,7 @@ def check(args, argv: list[str]) -> ZeroBubbleOptions | None:
         return None
     options = check_zero_bubble(args, schedule, flag)
     if options.through_runtime:
-        _check_p2p_flags(args, argv, flag)
+        _check_p2p_flags(args, flag)
     if args.enable_optimizer_post_validation:
         check_post_validation(args, options, flag, argv)
         options = dataclasses.replace(options, post_validation=True, exact_rollback=args.zero_bubble_exact_rollback)

@@ -14,7 +14,7 @@ from ..schedules.planners import natural_chunks
 from .checks import nearest_multiples, check_flags
 from .paths import check_input_files, check_paths
 from .devices import check_device_choice
-from .flags import StartupRefusal, refuse_argparse_error, add_zero_bubble_flags
+from .flags import StartupRefusal, add_zero_bubble_flags, given, refuse_argparse_error
 from .hybrid_checks import GPT, check_entry_model, check_pattern, normalize
 from .hybrid_pattern import pattern_of
 from .refusal import refuse
@@ -73,6 +73,8 @@ def check_early(argv: list[str], model: str = GPT) -> None:
         check_device_choice(args)
     check_paths(args)
     check_input_files(args)
+    if args.yaml_cfg:
+        _check_yaml(argv)
     if args.yaml_cfg or args.use_checkpoint_args:
         return  # the sizes and the layer count may come from the YAML file or the checkpoint: megatron's to check
     _check_world_size(args)
@@ -80,6 +82,19 @@ def check_early(argv: list[str], model: str = GPT) -> None:
     check_pattern(args)
     schedule, _ = check_flags(args)
     _check_layer_split(args, schedule)
+
+
+def _check_yaml(argv: list[str]) -> None:
+    """megatron's --yaml-cfg replaces every command-line flag by the YAML file's (its experimental YAML arguments):
+    zero-bubble flags given with it would be dropped unseen, and the checks that read the command line skipped."""
+    ours = argparse.ArgumentParser(add_help=False)
+    add_zero_bubble_flags(ours)
+    for action in ours._actions:
+        for option in action.option_strings:
+            if given(argv, option):
+                raise StartupRefusal(f"--yaml-cfg makes megatron ignore the command line, {option} with it (its YAML "
+                                     f"arguments replace every flag); pass megatron's flags on the command line "
+                                     f"instead of --yaml-cfg")
 
 
 def _check_world_size(args) -> None:
