@@ -86,3 +86,30 @@ def test_the_planners_model_shape_costs_follow_megatrons_layout(given, stages, c
     costs = Costs.from_model(**shape, num_virtual_stages=stages * chunks, layer_counts=counts)
     heavier = [v for v in range(stages * chunks - 1) if counts[v] > counts[0]]
     assert all(costs.t_f[v] > costs.t_f[0] > 0 for v in heavier)  # a stage without layers is not free, but lighter
+
+
+@pytest.mark.parametrize("layout, pipeline_size, rank", [
+    ("Et*2|t*2|t*2|t*2,mL", 4, None),  # MTP with the loss on the last rank: megatron's usual placement
+    ("Et*2|t*2|t*2,m|t*2L", 4, 2),  # on rank 2's only stage: mtp_standalone
+    ("Et|t|t|t|t|t|t|t,mL", 4, None),  # two chunks: m in the last rank's last chunk (stage 7 = 1 x 4 + 3)
+    ("Et|t|t|t|t|t,m|t|L", 4, 1),  # two chunks: rank 1's last chunk (stage 5 = 1 x 4 + 1)
+])
+def test_multi_token_prediction_off_the_last_rank_is_found_as_megatron_finds_it(layout, pipeline_size, rank):
+    from megatron.zero_bubble.training.layer_layout import standalone_mtp_rank
+
+    assert standalone_mtp_rank(layout, pipeline_size) == rank
+
+
+def test_multi_token_prediction_off_the_last_rank_is_refused_with_the_runtime_in_one_line():
+    import types
+
+    from megatron.zero_bubble.training.checks import _check_runtime
+    from megatron.zero_bubble.training.flags import StartupRefusal
+
+    args = types.SimpleNamespace(pipeline_model_parallel_layout="Et*2|t*2|t*2,m|t*2L", pipeline_model_parallel_size=4)
+    with pytest.raises(StartupRefusal, match=r"^--pipeline-model-parallel-layout puts the multi-token-prediction "
+                                             r"layers \(m\) at the end of pipeline rank 2, not the last: .* put m in "
+                                             r"the last stage$"):
+        _check_runtime(args, "--pipeline-schedule zb-h1")
+    args.pipeline_model_parallel_layout = "Et*2|t*2|t*2|t*2,mL"
+    _check_runtime(args, "--pipeline-schedule zb-h1")

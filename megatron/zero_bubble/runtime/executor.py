@@ -195,8 +195,9 @@ class PipelineExecutor:
         if len(iterators) != len(chunks):
             raise ValueError(f"expected one data iterator per model chunk ({len(chunks)}), got {len(iterators)}")
         config = self.megatron.model_config(chunks[0])
-        if adjust_tensor_shapes_fn is not None or config.variable_seq_lengths:
-            raise ValueError("the zero-bubble runtime needs fixed pipeline tensor shapes (no variable_seq_lengths)")
+        if adjust_tensor_shapes_fn is not None or config.variable_seq_lengths or getattr(config, "mtp_standalone", False):
+            raise ValueError("the zero-bubble runtime needs fixed pipeline tensor shapes (no variable_seq_lengths, "
+                             "no multi-token-prediction layers off the last pipeline stage)")
         if pg_collection is None:
             pg_collection = self.megatron.default_pg_collection()
         pp_group = p2p_communicator.pp_group if p2p_communicator is not None else pg_collection.pp

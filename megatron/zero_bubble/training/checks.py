@@ -18,7 +18,7 @@ from ..te_cpu.loader import te_python_version
 from .paths import check_input_files, check_paths
 from .post_validation_checks import check_post_validation
 from .devices import check_device_choice, check_gpu_kernels, check_shared_gpus
-from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout
+from .layer_layout import LAYOUT_FLAGS, layout_stage_count, padding_layout, standalone_mtp_rank
 from .hybrid_checks import check_schedule_chunks
 from .hybrid_pattern import pattern_chunks, pattern_of
 from .te_checks import check_transformer_engine_split
@@ -356,6 +356,13 @@ def _check_runtime(args, flag: str) -> None:
                 f"--{name.replace('_', '-')} gives variable sequence lengths, which the zero-bubble runtime "
                 f"does not support ({flag} needs fixed pipeline tensor shapes); drop one of them"
             )
+    layout, pipeline_size = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    rank = standalone_mtp_rank(str(layout), pipeline_size) if layout is not None and pipeline_size > 1 else None
+    if rank is not None:
+        raise StartupRefusal(f"--pipeline-model-parallel-layout puts the multi-token-prediction layers (m) at the end of "
+                             f"pipeline rank {rank}, not the last: megatron then exchanges pipeline tensors of varying "
+                             f"shapes (mtp_standalone), which the zero-bubble runtime ({flag}) does not support; put "
+                             f"m in the last stage")
     for name, why in _NOT_WITH_THE_RUNTIME.items():
         if getattr(args, name, False):
             option = "--" + name.replace("_", "-")

@@ -34,6 +34,15 @@ def layout_stage_count(layout: str) -> int:
     return len(layout_stages(layout))
 
 
+def standalone_mtp_rank(layout: str, pipeline_size: int) -> int | None:
+    """The pipeline rank, not the last, whose last virtual stage holds the multi-token-prediction layers ("m"):
+    megatron's mtp_standalone, read as megatron reads it (virtual stage v of rank r is the layout's stage
+    v * pipeline_size + r); None if there is none."""
+    stages = layout_stages(layout)
+    last_chunk = (len(stages) // pipeline_size - 1) * pipeline_size
+    return next((rank for rank in range(pipeline_size - 1) if "m" in stages[last_chunk + rank]), None)
+
+
 def layout_string(counts: list[int]) -> str:
     """Megatron's layout string for these counts: the embedding on the first stage, the loss on the last."""
     stages = ["t" * count for count in counts]
