@@ -57,3 +57,24 @@ def test_an_iteration_goes_when_its_last_reference_does():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_the_watchdogs_abort_ends_the_job_even_when_the_dump_and_the_abort_fail(tmp_path, monkeypatch):
+    """--zero-bubble-watchdog-abort: a flight-recorder path that cannot be written, and an abort of the communicators
+    that raises, are each a line; the exit still comes (a watchdog thread that died there would leave the job to
+    NCCL's timeout)."""
+    from megatron.zero_bubble.runtime import watchdog as watchdog_module
+
+    lines, ended = [], []
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", str(tmp_path / "missing-directory" / "fr-"))
+
+    def failing_abort():
+        raise RuntimeError("ncclCommAbort failed")
+
+    monkeypatch.setattr(watchdog_module, "abort_process_groups", failing_abort)
+    watchdog = PipelineWatchdog(timeout_s=1.0, rank=3, pp_rank=1, abort=True, log=lines.append, end=ended.append)
+    watchdog._end_the_job()
+    assert ended == [watchdog_module.EXIT_STUCK]
+    assert [line.split(" (")[0] for line in lines] == [
+        "zero-bubble: pipeline watchdog: rank 3 could not write the flight recorder",
+        "zero-bubble: pipeline watchdog: rank 3 could not abort its process groups"]

@@ -92,12 +92,26 @@ class PipelineWatchdog:
         line = self.describe(late) + self._count_in()
         self.log(line)
         if self.abort:
+            self._end_the_job()
+        return line
+
+    def _end_the_job(self) -> None:
+        """The flight recorder's dump, the communicators aborted, the exit: each step guarded, so that a failure of
+        one (a dump path not writable, an abort that raises) is a line and the exit still happens; a thread that
+        died here would leave the job hanging until NCCL's timeout."""
+        try:
             path = dump_flight_recorder(self.rank)
             self.log(f"zero-bubble: pipeline watchdog: rank {self.rank} wrote the flight recorder to {path}" if path
                      else "zero-bubble: pipeline watchdog: no flight-recorder dump (set --flight-recorder-dump-path)")
+        except Exception as error:  # noqa: BLE001 - the exit must still come
+            self.log(f"zero-bubble: pipeline watchdog: rank {self.rank} could not write the flight recorder "
+                     f"({type(error).__name__}: {error})")
+        try:
             abort_process_groups()
-            self.end(EXIT_STUCK)
-        return line
+        except Exception as error:  # noqa: BLE001
+            self.log(f"zero-bubble: pipeline watchdog: rank {self.rank} could not abort its process groups "
+                     f"({type(error).__name__}: {error})")
+        self.end(EXIT_STUCK)
 
     def _late(self):
         """(the late post, since when) or None: what the host is blocked on, or where the backend reports
