@@ -87,6 +87,7 @@ class ZeroBubbleSession:
         from ..runtime.post_validation import PostValidation
 
         chunks = list(model)
+        check_no_pipeline_group_collectives(self.megatron.model_config(chunks[0]))
         if self.megatron.model_config(chunks[0]).calculate_per_token_loss:
             options["model_chunks"] = chunks  # the S pass divides by the token count (post_validation.py)
         controller = PostValidation.for_optimizer(optimizer, self.megatron, **options)
@@ -115,3 +116,23 @@ class ZeroBubbleSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# TransformerConfig attributes (set by models built on megatron, not by its flags) with which megatron's
+# finalize_model_grads all-reduces gradients over the pipeline group: replicated conditional embedders (diffusion
+# models), Flextron's router.
+PIPELINE_GROUP_REDUCTIONS = ("has_cond_embedder", "flextron")
+
+
+def check_no_pipeline_group_collectives(config) -> None:
+    """Post-validation runs finalize_model_grads inside its S pass, between the pipeline's batches, whose stream an
+    all-reduce over the pipeline group shares on NCCL: rank r's stream can hold [a batch receiving from r-1, the
+    all-reduce] while r-1's holds [the all-reduce, the batch sending to r], which wait on each other. Refused."""
+    if getattr(config, "pipeline_model_parallel_size", 1) <= 1:
+        return
+    for name in PIPELINE_GROUP_REDUCTIONS:
+        if getattr(config, name, False):
+            raise ValueError(f"optimizer post-validation does not work with config.{name}: megatron's "
+                             f"finalize_model_grads then all-reduces over the pipeline group inside the S pass, "
+                             f"between pipeline messages it could wait on in a cycle; drop "
+                             f"--enable-optimizer-post-validation")

@@ -1,5 +1,7 @@
-"""Re-planning's agreement (runtime/replan.py `_agree`): a re-planned schedule is taken only if it plans, validates
-and lowers with its proofs, on every rank alike; otherwise the current schedule stays, with one line saying why."""
+"""The runtime's guards against what would stop or hang a running job: re-planning's agreement (runtime/replan.py
+`_agree`) takes a re-planned schedule only if it plans, validates and lowers with its proofs, on every rank alike
+(otherwise the current schedule stays, with one line saying why); post-validation refuses models whose
+finalize_model_grads reduces over the pipeline group inside its S pass."""
 from __future__ import annotations
 
 import pytest
@@ -53,3 +55,17 @@ def test_a_replanned_schedule_that_lowers_is_taken_and_lowered_once(one_rank_glo
     assert taken is not current and lowered == [taken]
     pipeline.executor.prepare(taken)  # the iteration that runs it finds its lowering made
     assert lowered == [taken]
+
+
+@pytest.mark.parametrize("name", ["has_cond_embedder", "flextron"])
+def test_post_validation_refuses_models_that_reduce_over_the_pipeline_group_in_finalize(name):
+    import types
+
+    from megatron.zero_bubble.training.session import check_no_pipeline_group_collectives
+
+    config = types.SimpleNamespace(pipeline_model_parallel_size=4, **{name: True})
+    with pytest.raises(ValueError, match=rf"^optimizer post-validation does not work with config\.{name}: .*drop "
+                                         r"--enable-optimizer-post-validation$"):
+        check_no_pipeline_group_collectives(config)
+    check_no_pipeline_group_collectives(types.SimpleNamespace(pipeline_model_parallel_size=1, **{name: True}))
+    check_no_pipeline_group_collectives(types.SimpleNamespace(pipeline_model_parallel_size=4))
