@@ -239,11 +239,9 @@ class PipelineExecutor:
                 self._prepare_stores(chunks)
                 for k, param_sync in enumerate(_per_chunk(config.param_sync_func, len(chunks))):
                     param_sync(chunks[k].parameters())  # overlapped parameter gathers, as megatron's schedules do
+            # watched until the next call: on NCCL what this one posted may complete after it returns
             self.messaging.watch(transport, lowered.consumers(rank).get)
-            try:
-                iteration.run(lowered.programs[rank])
-            finally:
-                self.messaging.watch(None)
+            iteration.run(lowered.programs[rank])
             iteration.finish_backward()
         if memory is not None:
             iteration.stats.memory = memory.finish()

@@ -52,7 +52,8 @@ class Messaging:
         return PipelineTransport(self.links(pp_group), shape, dtype, device, ops=self.ops, **options)
 
     def watch(self, transport: PipelineTransport | None, needed_by=None) -> None:
-        """Point the watchdog at the transport of the call in progress (None between calls)."""
+        """Point the watchdog at the transport of the call in progress; it stays on it after the call, until the
+        next one (where the backend reports completion, what the call posted may complete after it returns)."""
         if self.options.watchdog_timeout_s <= 0:
             return
         if self.watchdog is None:

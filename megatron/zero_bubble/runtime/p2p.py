@@ -14,10 +14,14 @@ completion (NCCL), whenever it says so. On NCCL a wait makes the compute stream 
 What is posted and not yet completed is kept with the time it was posted, and the batch the host is blocked on with
 the time it started waiting, for the pipeline watchdog (watchdog.py), which reads both from another thread. NCCL's
 works report their completion (a CUDA event); gloo's say they are done only once waited for, so on gloo only the
-blocking wait tells that a message is late (`completion_reported`).
+blocking wait tells that a message is late (`completion_reported`). Where the backend reports completion, a batch the
+runtime has waited for (on NCCL: ordered its stream after, the host going on) stays in view, without its tensors,
+until the backend says it is complete, also after the call (finish) returns: a message the last passes wait for that
+never comes is then still seen while the host runs megatron's optimizer step.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -121,6 +125,7 @@ class PipelineTransport:
         self.shape, self.dtype, self.device = shape, dtype, device
         self.wire = wire_device(links.group, device)  # where buffers live; host copies on gloo with CUDA
         self._batches: deque[_PostedBatch] = deque()  # posted and not yet waited for, in posting order
+        self._unfinished: deque[_PostedBatch] = deque()  # waited for, not reported complete (NCCL), tensors dropped
         self._recvs: dict[Message, Posted] = {}  # received or in flight, not yet consumed
         self._sends: dict[Message, Posted] = {}
         self._posted = 0
@@ -141,7 +146,10 @@ class PipelineTransport:
     def in_flight(self) -> list[Posted]:
         """What is posted and not known complete, oldest first (the watchdog's view)."""
         with self._lock:
-            return [posted for batch in self._batches for posted in batch.posted]
+            while self._unfinished and self._unfinished[0].work.is_completed():  # one stream: in order
+                self._unfinished.popleft()
+            return [posted for batches in (self._unfinished, self._batches) for batch in batches
+                    for posted in batch.posted]
 
     def warm_up(self, peers) -> None:
         """The program's warm-up: one exchange with every peer whose link is cold, all at once (links.py)."""
@@ -229,6 +237,9 @@ class PipelineTransport:
             done = [entry for entry in batch.posted if entry.is_send]
             for entry in done:
                 del self._sends[entry.msg]
+            if self.completion_reported and not batch.work.is_completed():
+                self._unfinished.append(_PostedBatch(batch.work, batch.order, [
+                    dataclasses.replace(entry, tensor=None, on_done=None, count=None) for entry in batch.posted]))
         for entry in done:
             if entry.on_done is not None:
                 entry.on_done()
