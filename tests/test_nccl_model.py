@@ -8,6 +8,8 @@ operation at a time on a process group per pair of ranks, no warm-up) are stuck 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -124,11 +126,45 @@ def _ring_programs(warm: bool) -> list:
     return programs
 
 
+def _stuck_only_with_either(rules: tuple, schedule: Schedule, programs: list, costs: Costs, match: str) -> None:
+    """Stuck on the full model, and with any one of `rules` off; runs to its end with all of them off."""
+    with pytest.raises(ScheduleError, match="communication deadlock" + match):
+        check_lowering(schedule, programs, costs)
+    for rule in rules:
+        with pytest.raises(ScheduleError, match="communication deadlock"):
+            replay(schedule, programs, costs, Rules(**{rule: False}))
+    replay(schedule, programs, costs, Rules(**{rule: False for rule in rules}))
+
+
 def test_the_first_use_of_a_link_blocks_the_host_and_a_warm_up_unblocks_it():
-    _stuck_only_with("first_use_blocks_host", _ring(), _ring_programs(warm=False), Costs.make(6, t_comm=0.1),
+    """The ring's first uses form a cycle on a group of two, so each half of rule 5 alone holds it up."""
+    _stuck_only_with_either(("first_use_of_a_group_blocks_host", "first_use_of_a_link_blocks_host"), _ring(),
+                            _ring_programs(warm=False), Costs.make(6, t_comm=0.1),
+                            match=r": rank 0's host is blocked at the first use of its links \(its batch of receive of "
+                                  r"the activation of microbatch 0 from stage 2 to stage 3\) until rank 2 on group "
+                                  r"'ring'")
+    check_lowering(_ring(), _ring_programs(warm=True), Costs.make(6, t_comm=0.1))
+
+
+def test_the_first_use_of_a_link_waits_for_the_peers_first_use_of_it_on_a_group_every_member_has_used():
+    """Every rank warms up the 'ring' group first, but not the link from rank 0 to rank 2: NCCL connects two ranks at
+    their first exchange, so rank 0's receive from rank 2 blocks its host until rank 2's send, which needs rank 0."""
+    line = {0: [Warmup([1], "ring")], 1: [Warmup([0, 2], "ring")], 2: [Warmup([1], "ring")]}
+    programs = [line[r] + program for r, program in enumerate(_ring_programs(warm=False))]
+    _stuck_only_with("first_use_of_a_link_blocks_host", _ring(), programs, Costs.make(6, t_comm=0.1),
                      match=r": rank 0's host is blocked at the first use of its links \(its batch of receive of the "
                            r"activation of microbatch 0 from stage 2 to stage 3\) until rank 2 on group 'ring'")
-    check_lowering(_ring(), _ring_programs(warm=True), Costs.make(6, t_comm=0.1))
+
+
+def test_the_first_use_of_a_group_waits_for_every_members_first_use_of_it():
+    """Ranks 0 and 2 warm up their 'ring' link first; rank 1 joins the group only at its end, after its F of stage 4,
+    which needs rank 0: a lazily made communicator waits for every member, so rank 0's warm-up holds rank 0 up."""
+    programs = _ring_programs(warm=False)
+    programs = [[Warmup([2], "ring")] + programs[0] + [Warmup([1], "ring")], programs[1] + [Warmup([0], "ring")],
+                [Warmup([0], "ring")] + programs[2]]
+    _stuck_only_with("first_use_of_a_group_blocks_host", _ring(), programs, Costs.make(6, t_comm=0.1),
+                     match=r": rank 0's host is blocked at the first use of its links \(its warm-up of links to "
+                           r"ranks 2\) until rank 1 on group 'ring'")
 
 
 def test_one_launch_queue():
@@ -144,9 +180,14 @@ def test_one_launch_queue():
     _stuck_only_with("one_launch_queue", schedule, programs)
 
 
-def test_every_rule_has_a_switch_and_all_hold_by_default():
+def test_every_rule_has_a_test_whose_program_is_stuck_only_with_it():
+    """Every switch of the model is named by a test above that shows a program it alone holds up (a switch that does
+    nothing, or a rule added without such a test, fails here); all rules hold by default."""
     assert all(getattr(ALL_RULES, name) for name in Rules.__dataclass_fields__)
-    assert len(Rules.__dataclass_fields__) == 6
+    source = Path(__file__).read_text()
+    shown = set(re.findall(r'_stuck_only_with\("(\w+)"', source))
+    assert shown == set(Rules.__dataclass_fields__) - {"nccl_waits_for_compute"}
+    assert "Rules(nccl_waits_for_compute=False)" in source  # rule 4 delays a program instead of holding it up
 
 
 def test_messages_match_in_posting_order_per_group_and_direction():

@@ -14,6 +14,7 @@ group, and warm-ups. Each rank has a host, which posts the items in order, and a
 5. The first use of a link blocks the host: a rank's first post on a process group waits until every member of the
    group has made its first (lazily made communicators), and its first post with a peer until that peer's first
    with it (NCCL connects two ranks at their first exchange). A warm-up is one such post with all its peers at once.
+   The two halves have a switch each (groups, links).
 6. One launch queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1): the GPU starts items in posting order, and one that
    cannot start yet holds back every later one, on every stream.
 Besides the rules: a rank computes one pass at a time, each once the batches it waits for have completed (the one
@@ -44,7 +45,8 @@ class Rules:
     rendezvous: bool = True  # 2
     batch_is_one_kernel: bool = True  # 3
     nccl_waits_for_compute: bool = True  # 4
-    first_use_blocks_host: bool = True  # 5
+    first_use_of_a_group_blocks_host: bool = True  # 5, lazily made communicators
+    first_use_of_a_link_blocks_host: bool = True  # 5, NCCL connects two ranks at their first exchange
     one_launch_queue: bool = True  # 6
 
 
@@ -244,7 +246,8 @@ class _Run:
                     break
                 self.host_time[rank] = max(self.host_time[rank], items[at - 1].end)
             item = items[at]
-            if not item.is_pass and self.rules.first_use_blocks_host:
+            if not item.is_pass and (self.rules.first_use_of_a_group_blocks_host
+                                     or self.rules.first_use_of_a_link_blocks_host):
                 met = self._first_use(rank, item)
                 if met is None:
                     break
@@ -263,10 +266,16 @@ class _Run:
         for group, peer in item.first_links:
             self.reached.setdefault((rank, group, peer), now)
         times = [now]
-        for group in item.first_groups:
+        for group in self._blocking_groups(item):
             times += [self.reached.get((member, group)) for member in self.members[group]]
-        times += [self.reached.get((peer, group, rank)) for group, peer in item.first_links]
+        times += [self.reached.get((peer, group, rank)) for group, peer in self._blocking_links(item)]
         return None if None in times else max(times)
+
+    def _blocking_groups(self, item: _Item) -> tuple:
+        return item.first_groups if self.rules.first_use_of_a_group_blocks_host else ()
+
+    def _blocking_links(self, item: _Item) -> tuple:
+        return item.first_links if self.rules.first_use_of_a_link_blocks_host else ()
 
     def _start(self, rank: int) -> bool:
         """Start on the GPU what can start: in posting order under one launch queue (rule 6), else each stream's
@@ -355,9 +364,9 @@ class _Run:
             item = items[self.host_pos[rank]]
             if self.host_pos[rank] > 0 and items[self.host_pos[rank] - 1].syncs_host:
                 return f"rank {rank}'s host waits for {items[self.host_pos[rank] - 1].action.describe()} to end"
-            missing = [f"rank {peer} on group '{group}'" for group, peer in item.first_links
+            missing = [f"rank {peer} on group '{group}'" for group, peer in self._blocking_links(item)
                        if (peer, group, rank) not in self.reached]
-            missing += [f"rank {member} on group '{group}'" for group in item.first_groups
+            missing += [f"rank {member} on group '{group}'" for group in self._blocking_groups(item)
                         for member in sorted(self.members[group]) if (member, group) not in self.reached]
             return (f"rank {rank}'s host is blocked at the first use of its links ({_describe(item)}) until "
                     f"{', '.join(missing)} uses its own first")
