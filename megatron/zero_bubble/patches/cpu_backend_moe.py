@@ -18,10 +18,11 @@ alone, and torch's all_to_all_single takes the split sizes as a sequence of ints
 Megatron keeps the dispatcher's stream in a class attribute once made; `uninstall()` forgets it again when
 it is ours (a do-nothing stream), so that a later run with CUDA would make a real one.
 
-Installs the core part first (cpu_backend_core.py). Not covered, and refused at start-up by pretrain_gpt.py
-on CPU: the grouped experts (`--moe-grouped-gemm`: Transformer Engine's TEGroupedMLP; megatron-core 0.19.2 has
-no other), fused permutation (Transformer Engine), the flex dispatcher (DeepEP / HybridEP), shared-expert
-overlap (a CUDA stream on purpose). MoE paged stashing needs triton (imports.py's stub raises).
+Installs the core part first (cpu_backend_core.py). The grouped experts (`--moe-grouped-gemm`: Transformer
+Engine's TEGroupedMLP) run on TE's CPU kernel layer (te_cpu). Not covered, and refused at start-up by
+pretrain_gpt.py on CPU: fused permutation (Transformer Engine's kernels), the flex dispatcher (DeepEP /
+HybridEP), shared-expert overlap (a CUDA stream on purpose). MoE paged stashing needs triton (imports.py's stub
+raises).
 """
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class SummaryLayout:
         """inf/NaN anywhere: a leaf's unscaling found some, or a squared norm is not finite."""
         flags = summary[self.flags_start:self.size - STEP_FLAGS]
         squares = summary[:self.flags_start]
-        return bool((flags > 0).any()) or not bool(torch.isfinite(squares).all())
+        return bool((flags > 0).any() | ~torch.isfinite(squares).all())  # one read on the host, not two
 
     def norm(self, summary: torch.Tensor) -> float:
         """Megatron's grad norm from the (partial) sums: one block's norm, or the chain's combination."""
