@@ -10,7 +10,9 @@ B whenever the memory limit demands; the tail runs the W still pending. Each sta
 order, which keeps the accumulated weight gradients bit-identical to 1F1B. Because W has no successors,
 placing a W changes only its own stage's timeline, so W can be placed in a gap once the gap's end is
 known. A few cap shapes and rule variants are simulated, the caps of the best are tuned one stage at a
-time, and the shortest longest-stage span (the paper's cost) wins.
+time, and the shortest longest-stage span (the paper's cost) wins. With one chunk per rank 1F1B (backward split),
+ZB-H1 and ZB-H2 are candidates too where they fit the limit: the planner is never slower than a schedule of its
+family it could have picked.
 """
 from __future__ import annotations
 
@@ -188,6 +190,42 @@ def best_heuristic(problem: Problem, budget: int = PASS_BUDGET, beat: float | No
     return best
 
 
+def _fitting_plan(problem: Problem, orders: list, label: str) -> Plan | None:
+    """The plan of these per-rank orders if every rank's peak fits its limit, with its longest-rank span."""
+    schedule = to_schedule(problem, Plan(orders, 0.0, ""), {})
+    profiles = memory_profile(schedule, problem.costs)
+    if any(not problem.fits(r, max(held, default=0.0)) for r, held in enumerate(profiles)):
+        return None
+    timeline = simulate(schedule, problem.costs)
+    return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), label)
+
+
+def _split_orders(schedule: Schedule) -> list:
+    """Per-rank orders of (op, microbatch, chunk), a fused backward run as B then W (same time and memory)."""
+    return [[step for x in passes for step in
+             (((Op.B, x.mb, x.chunk), (Op.W, x.mb, x.chunk)) if x.op is Op.BW else ((x.op, x.mb, x.chunk),))]
+            for passes in schedule.ranks]
+
+
+def family_baselines(problem: Problem) -> list[Plan]:
+    """The fixed orders the one-chunk planner could have picked, where they fit the limits: 1F1B (its backward run
+    as B then W), ZB-H1 and ZB-H2. The planner keeps the shortest of these and its own: never slower than a
+    schedule of its family that fits the same budget."""
+    from .baselines import one_f_one_b
+    from .handcrafted import zb_h1, zb_h2
+
+    plans = []
+    for label, build in (("1F1B, backward split", one_f_one_b), ("ZB-H1", zb_h1), ("ZB-H2", zb_h2)):
+        try:
+            orders = _split_orders(build(problem.stages, problem.microbatches))
+        except ScheduleError:
+            continue
+        plan = _fitting_plan(problem, orders, label)
+        if plan is not None:
+            plans.append(plan)
+    return plans
+
+
 def split_interleaved(problem: Problem) -> Plan | None:
     """Megatron's interleaved 1F1B with each fused backward run as B then W (same time and memory), if megatron
     can order these microbatches and it fits the limits: a plan at least as good as the schedule zb-auto
@@ -196,15 +234,7 @@ def split_interleaved(problem: Problem) -> Plan | None:
         baseline = interleaved_one_f_one_b(problem.stages, problem.microbatches, problem.chunks)
     except ScheduleError:
         return None
-    orders = [[step for x in passes for step in
-               (((Op.B, x.mb, x.chunk), (Op.W, x.mb, x.chunk)) if x.op is Op.BW else ((x.op, x.mb, x.chunk),))]
-              for passes in baseline.ranks]
-    schedule = to_schedule(problem, Plan(orders, 0.0, ""), {})
-    profiles = memory_profile(schedule, problem.costs)
-    if any(not problem.fits(r, max(held, default=0.0)) for r, held in enumerate(profiles)):
-        return None
-    timeline = simulate(schedule, problem.costs)
-    return Plan(orders, max(timeline.span(r) for r in range(problem.stages)), "interleaved 1F1B, backward split")
+    return _fitting_plan(problem, _split_orders(baseline), "interleaved 1F1B, backward split")
 
 
 def interleaved_estimate(problem: Problem) -> float:
@@ -226,7 +256,11 @@ def heuristic_or_interleaved(problem: Problem) -> Plan:
     they are sure to lose to it; above BASELINE_PASSES they stop once past interleaved_estimate, and only then is
     the baseline built, and the heuristic run again against it."""
     if problem.chunks == 1:
-        return best_heuristic(problem)
+        plan = best_heuristic(problem)
+        for baseline in family_baselines(problem):  # the heuristic's plan wins ties
+            if plan is None or baseline.span < plan.span * (1 - 1e-12):
+                plan = baseline
+        return plan
     small = 3 * problem.num_virtual_stages * problem.microbatches <= BASELINE_PASSES
     if small:
         baseline = split_interleaved(problem)
