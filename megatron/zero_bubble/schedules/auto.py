@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 from .auto_greedy import Rule, greedy
 from .auto_problem import TOLERANCE, Plan, Problem, span_lower_bound, to_schedule
 from .costs import Costs
-from .baselines import interleaved_one_f_one_b
+from .baselines import interleaved_one_f_one_b, one_f_one_b
+from .handcrafted import zb_h1, zb_h2
 from .ilp import refine
 from .memory import memory_profile
 from .problem import MemoryLimit
@@ -211,9 +212,6 @@ def family_baselines(problem: Problem) -> list[Plan]:
     """The fixed orders the one-chunk planner could have picked, where they fit the limits: 1F1B (its backward run
     as B then W), ZB-H1 and ZB-H2. The planner keeps the shortest of these and its own: never slower than a
     schedule of its family that fits the same budget."""
-    from .baselines import one_f_one_b
-    from .handcrafted import zb_h1, zb_h2
-
     plans = []
     for label, build in (("1F1B, backward split", one_f_one_b), ("ZB-H1", zb_h1), ("ZB-H2", zb_h2)):
         try:
