@@ -181,7 +181,7 @@ def test_each_candidate_gets_the_flags_training_reads(cpu_parser):
     assert changes["1f1b"].add == () and changes["1f1b"].drop == ("--pipeline-schedule", "zb-h1")
     assert changes["interleaved-1f1b (2 chunks)"].add == ("--num-virtual-stages-per-pipeline-rank", "2")
     assert changes["zb-auto (2x 1F1B memory)"].add == ("--pipeline-schedule", "zb-auto",
-                                                       "--zero-bubble-max-pending-backward", "4")
+                                                       "--zero-bubble-max-pending-backward", "2x")
     assert changes["zb-v (V-Min memory)"].add[-2:] == ("--zero-bubble-v-schedule-mem-setup", "min")
     interleaved = _run(cpu_parser, SMALL + ["--num-virtual-stages-per-pipeline-rank=2"])
     change = candidate_list.command_line(interleaved, candidate_list.candidates(interleaved)[2])  # zb-h1

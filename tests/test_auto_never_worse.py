@@ -1,6 +1,7 @@
 """The one-chunk automatic planner is never slower than a schedule of its family that fits the same memory limit:
 1F1B (its backward run as B then W), ZB-H1 and ZB-H2 are among the plans it compares (schedules/auto.py
-family_baselines), on uneven costs and limits where its heuristic alone can lose to them."""
+family_baselines), on uneven costs and limits where its heuristic alone can lose to them; and a limit relative to
+1F1B's fullest rank (MemoryLimit.of_1f1b_peak, --zero-bubble-max-pending-backward 1x) holds it there."""
 from __future__ import annotations
 
 import random
@@ -37,3 +38,34 @@ def test_zb_auto_is_never_slower_than_1f1b_zb_h1_or_zb_h2_where_they_fit_its_lim
                                                                                        for b in fitting])
         baselines_won += schedule.info["planner"]["heuristic"] in {b.label for b in fitting}
     assert baselines_won > 0  # the heuristic alone loses somewhere here: the comparison is what holds the line
+
+
+def test_a_limit_of_1x_1f1b_holds_no_rank_above_1f1bs_fullest_and_is_no_slower():
+    """With the output layer's activations and held W operands on the last stage (its M_B and M_W larger), p M_B
+    lets zb-auto hold twice 1F1B's fullest rank there; '1x 1F1B's peak' caps every rank at 1F1B's fullest, and the
+    plan is still no slower than 1F1B (which fits that cap)."""
+    from megatron.zero_bubble.schedules.memory import memory_profile
+    from megatron.zero_bubble.schedules.planners import plan
+
+    p, m = 4, 12
+    costs = Costs.make(p, t_f=[1, 1, 1, 1.4], t_b=[1, 1, 1, 1.5], t_w=[0.7, 0.7, 0.7, 1.2], m_f=[1, 1, 1, 2.5],
+                       m_w=[0.5, 0.5, 0.5, 2.0])
+
+    def run(name, limit=None):
+        schedule, timeline = plan_with_timeline(name, PlanRequest(stages=p, microbatches=m, costs=costs,
+                                                                  memory_limit=limit, ilp_time_limit=0))
+        return timeline.makespan, [max(rank) for rank in memory_profile(schedule, costs)]
+
+    one_f_one_b_time, one_f_one_b_peaks = run("1f1b")
+    _, in_microbatches = run("zb-auto", float(p))
+    assert max(in_microbatches) > 2 * max(one_f_one_b_peaks)  # p M_B is not 1F1B's memory here
+    time, peaks = run("zb-auto", MemoryLimit.of_1f1b_peak(1.0))
+    assert max(peaks) <= max(one_f_one_b_peaks) and time <= one_f_one_b_time
+    time_2x, peaks_2x = run("zb-auto", MemoryLimit.of_1f1b_peak(2.0))
+    assert max(peaks_2x) <= 2 * max(one_f_one_b_peaks) and time_2x <= time
+    try:
+        plan("zb-v", PlanRequest(stages=p, microbatches=m, memory_limit=MemoryLimit.of_1f1b_peak(1.0)))
+    except Exception as error:  # noqa: BLE001 - the planner's one line
+        assert "needs a one-chunk schedule" in str(error)
+    else:
+        raise AssertionError("zb-v took a limit relative to 1F1B's peak")

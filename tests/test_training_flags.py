@@ -92,3 +92,11 @@ def test_megatrons_yaml_config_is_refused_with_a_zero_bubble_flag_it_would_drop(
     from megatron.zero_bubble.training import early
 
     early._check_yaml([f for f in MODEL if f != "--zero-bubble-cpu"] + PP4 + ["--yaml-cfg", str(config)])
+
+
+def test_the_memory_limit_takes_a_multiple_of_1f1bs_peak():
+    args, _ = arguments.early_parser().parse_known_args(MODEL + PP4 + ["--zero-bubble-max-pending-backward", "1.5x"])
+    limit = args.zero_bubble_max_pending_backward
+    assert limit.of_1f1b and limit.amount == 1.5 and limit.describe() == "1.5x 1F1B's peak"
+    with pytest.raises(arguments.StartupRefusal, match="a multiple of 1F1B's peak such as 1x"):
+        arguments.early_parser().parse_known_args(MODEL + PP4 + ["--zero-bubble-max-pending-backward", "0x"])

@@ -13,6 +13,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..schedules.planners import schedule_kind
+from ..schedules.problem import MemoryLimit
 from ..schedules.vbudget import mem_setup_limit
 from ..training.checks import RUNTIME_ONLY_FLAGS, check_flags
 from ..training.flags import StartupRefusal
@@ -36,7 +37,9 @@ class Candidate:
     label: str
     planner: str  # the planning registry's name
     chunks: int
-    memory_limit: float | None  # in-flight microbatches; None: the schedule's own
+    # in-flight microbatches, or a multiple of the largest activation memory a rank holds under 1F1B (MemoryLimit);
+    # None: the schedule's own
+    memory_limit: float | MemoryLimit | None
     flags: tuple[str, ...]  # what asks pretrain_gpt.py for it (beside the chunk flag, see `command_line`)
     megatron: bool = False  # megatron's own schedule (no zero-bubble flag)
 
@@ -51,10 +54,10 @@ def candidates(run: Run) -> list[Candidate]:
         Candidate(f"interleaved-1f1b ({v} chunks)", "interleaved-1f1b", v, None, (), megatron=True),
         Candidate("zb-h1", "zb-h1", 1, None, ("--pipeline-schedule", "zb-h1")),
         Candidate("zb-h2", "zb-h2", 1, None, ("--pipeline-schedule", "zb-h2")),
-        Candidate("zb-auto (1x 1F1B memory)", "zb-auto", 1, float(p),
-                  auto + ("--zero-bubble-max-pending-backward", str(p))),
-        Candidate("zb-auto (2x 1F1B memory)", "zb-auto", 1, float(2 * p),
-                  auto + ("--zero-bubble-max-pending-backward", str(2 * p))),
+        Candidate("zb-auto (1x 1F1B memory)", "zb-auto", 1, MemoryLimit.of_1f1b_peak(1.0),
+                  auto + ("--zero-bubble-max-pending-backward", "1x")),
+        Candidate("zb-auto (2x 1F1B memory)", "zb-auto", 1, MemoryLimit.of_1f1b_peak(2.0),
+                  auto + ("--zero-bubble-max-pending-backward", "2x")),
         Candidate(f"zb-auto ({v} chunks)", "zb-auto", v, None, auto),
         Candidate("zb-v", "zb-v", 2, mem_setup_limit("zb", p), zb_v),
         Candidate("zb-v (V-Half memory)", "zb-v", 2, mem_setup_limit("half", p),

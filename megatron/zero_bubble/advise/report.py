@@ -102,11 +102,16 @@ def _none_fits(advice: Advice) -> list[str]:
     return lines
 
 
+def _limit_json(limit):
+    """In-flight microbatches as a number, a multiple of 1F1B's peak as its text ("1x 1F1B's peak")."""
+    return limit.describe() if hasattr(limit, "describe") else limit
+
+
 def as_json(advice: Advice) -> dict:
     def row(p: Prediction) -> dict:
         return {
             "label": p.candidate.label, "planner": p.candidate.planner, "chunks": p.candidate.chunks,
-            "memory_limit": p.candidate.memory_limit, "bubble_rate": p.bubble_rate, "makespan": p.makespan,
+            "memory_limit": _limit_json(p.candidate.memory_limit), "bubble_rate": p.bubble_rate, "makespan": p.makespan,
             "time_unit": p.time_unit, "time_vs_1f1b": advice.relative(p, "1f1b"),
             "time_vs_interleaved": advice.relative(p, "interleaved-1f1b"), "peak_bytes": p.peak,
             "peak_rank": p.peak_rank, "peak_bytes_per_rank": list(p.peak_per_rank),

@@ -14,6 +14,7 @@ from typing import Callable
 from ..schedules.costs import TIME_UNITS, Costs
 from ..schedules.memory import rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
+from ..schedules.problem import MemoryLimit
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 from .memory_report import memory_record
@@ -26,7 +27,7 @@ class PlanSettings:
     schedule: str
     stages: int
     chunks: int
-    memory_limit: float | None  # in-flight microbatches; None: automatic (device memory on GPU)
+    memory_limit: float | MemoryLimit | None  # in-flight microbatches, or Nx 1F1B's peak; None: automatic
     ilp_time_limit: float = 10.0
     timers_start_iter: int = 0
     timers_end_iter: int = 0  # equal to the start: no re-planning
@@ -116,7 +117,9 @@ class RankZeroPlanner:
         except ScheduleError as error:
             memory = memory_record(previous, costs, reports, None, s.timers_end_iter) if previous else None
             return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})", memory=memory)
-        schedule.info.update(costs=costs.to_dict(), memory_limit=limit, costs_from=source)
+        of_1f1b = limit.amount if isinstance(limit, MemoryLimit) else None  # checked by the planner, in bytes
+        schedule.info.update(costs=costs.to_dict(), memory_limit=None if of_1f1b else limit, costs_from=source,
+                             **({"memory_limit_of_1f1b": of_1f1b} if of_1f1b else {}))
         memory = None
         if previous is not None:
             schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
@@ -129,9 +132,9 @@ class RankZeroPlanner:
         """The schedule every rank agreed on: its costs are the ones to re-plan from."""
         self.costs = Costs.from_dict(schedule.info["costs"])
 
-    def memory_limit(self, costs: Costs, gathered: list[dict]) -> float | None:
-        """The limit in microbatches: the flag's, else (GPU) what the free device memory holds, at most the
-        planner's default, else None (the planner's default, see planners.SCHEDULES)."""
+    def memory_limit(self, costs: Costs, gathered: list[dict]) -> float | MemoryLimit | None:
+        """The limit in microbatches (or the flag's multiple of 1F1B's peak): the flag's, else (GPU) what the free
+        device memory holds, at most the planner's default, else None (the planner's default, planners.SCHEDULES)."""
         s = self.settings
         if s.memory_limit is not None:
             return s.memory_limit

@@ -164,6 +164,8 @@ class ReplanningPipeline:
         limit = info.get("memory_limit")
         where = f"p={s.stages}, m={schedule.microbatches}" + (f", {s.chunks} chunks per rank" if s.chunks > 1 else "")
         where += f", memory limit {limit:g} microbatches" if limit is not None else ""
+        if info.get("memory_limit_of_1f1b") is not None:
+            where += f", memory limit {info['memory_limit_of_1f1b']:g}x 1F1B's peak"
         rate = info["predicted"]["bubble_rate"]
         if when == "initial":
             later = ("; re-planned from measured pass times after iteration "

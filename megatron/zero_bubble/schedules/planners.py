@@ -16,6 +16,7 @@ from typing import Callable
 
 from . import auto, baselines, handcrafted, vbudget, vshape
 from .costs import Costs
+from .memory import memory_profile
 from .post_validation import with_post_validation
 from .problem import MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
@@ -191,6 +192,12 @@ def resolve(name: str, request: PlanRequest) -> PlanRequest:
     limit = request.memory_limit
     if limit is None and kind.default_memory_limit is not None:
         limit = MemoryLimit(kind.default_memory_limit(request.stages, chunks, request.microbatches))
+    if isinstance(limit, MemoryLimit) and limit.of_1f1b:
+        if chunks != 1 or kind.layout != "single":
+            raise ScheduleError(f"a memory limit relative to 1F1B's peak ({limit.describe()}) needs a one-chunk "
+                                f"schedule; {name} with {chunks} chunk(s) takes it in microbatches")
+        peaks = memory_profile(baselines.one_f_one_b(request.stages, request.microbatches), costs)
+        limit = limit.resolved([max(rank, default=0.0) for rank in peaks])
     return replace(request, chunks=chunks, costs=costs, memory_limit=limit)
 
 

@@ -15,15 +15,20 @@ from .schedule import stage_owner
 
 @dataclass(frozen=True)
 class MemoryLimit:
-    """A per-rank activation-memory limit in one of two units.
+    """A per-rank activation-memory limit in one of three units.
 
     In-flight microbatches (the default): multiples of each rank's own one-microbatch activations M_B, the
     unit users think in (p = ZB-1p, 2p = ZB-2p). Absolute: the costs' memory unit (bytes when the costs
-    carry bytes), the same amount on every rank.
+    carry bytes), the same amount on every rank, or one amount per rank (`ranks`). Of 1F1B (`of_1f1b`): multiples
+    of the largest activation memory any rank holds under 1F1B on the same costs, on every rank ("1x": no rank
+    holds more than 1F1B's fullest; where the last stage's microbatch is larger, p M_B is not that); the planner
+    resolves it into per-rank amounts (`resolved`).
     """
 
     amount: float
     absolute: bool = False
+    ranks: tuple[float, ...] | None = None  # absolute amounts per rank
+    of_1f1b: bool = False
 
     @classmethod
     def of(cls, microbatches: MemoryLimit | float | None = None, absolute: float | None = None) -> MemoryLimit | None:
@@ -37,8 +42,25 @@ class MemoryLimit:
             return cls(absolute, absolute=True)
         return None if microbatches is None else cls(microbatches)
 
+    @classmethod
+    def of_1f1b_peak(cls, multiple: float) -> MemoryLimit:
+        if multiple <= 0:
+            raise ScheduleError(f"memory limit must be positive, got {multiple:g}x 1F1B's")
+        return cls(multiple, of_1f1b=True)
+
+    def resolved(self, one_f_one_b_peaks: list[float]) -> MemoryLimit:
+        """An of-1F1B limit as absolute amounts: the multiple of the largest of 1F1B's per-rank peaks, on each rank."""
+        if not self.of_1f1b:
+            return self
+        largest = self.amount * max(one_f_one_b_peaks)
+        return MemoryLimit(largest, absolute=True, ranks=tuple(largest for _ in one_f_one_b_peaks))
+
     def per_rank(self, stages: int, chunks: int, layout: str, costs: Costs) -> list[float]:
         """Each rank's limit in the costs' unit."""
+        if self.of_1f1b:
+            raise ScheduleError("a memory limit relative to 1F1B's peak must be resolved by the planner first")
+        if self.ranks is not None:
+            return [float(amount) for amount in self.ranks]
         if self.absolute:
             return [float(self.amount)] * stages
         # Checked here, where it is applied, as every caller reports planning errors from here on.
@@ -53,6 +75,11 @@ class MemoryLimit:
         """The two keys a schedule's JSON has always carried for its limit."""
         return {"memory_limit": None if self.absolute else self.amount,
                 "memory_limit_absolute": self.amount if self.absolute else None}
+
+    def describe(self) -> str:
+        if self.of_1f1b:
+            return f"{self.amount:g}x 1F1B's peak"
+        return f"{self.amount:g}" + ("" if not self.absolute else " (absolute)")
 
 
 @dataclass(frozen=True)

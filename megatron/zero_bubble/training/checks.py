@@ -208,7 +208,7 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
         _refuse_runtime_only_flags(args, f"{flag} runs megatron's own schedule; add --enable-zb-runtime or drop")
         return
     limit = args.zero_bubble_max_pending_backward
-    if limit is not None and limit < 1:
+    if isinstance(limit, float) and limit < 1:
         raise StartupRefusal(
             f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
         )

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..schedules.errors import ScheduleError
 from ..schedules.planners import SCHEDULES, pipeline_schedule_names, split_backward_schedules
+from ..schedules.problem import MemoryLimit
 from ..runtime.faults import KINDS as FAULT_KINDS, parse_fault
 from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S
 from ..runtime.planning import DEVICE_MEMORY_SHARE
@@ -77,12 +79,17 @@ def _schedule_name(text: str) -> str:
 
 
 def _max_pending_backward(text: str):
+    """A number of in-flight microbatches, 'Nx' (N times the largest activation memory a rank holds under 1F1B on
+    the same costs), or 'auto'."""
     if text == "auto":
         return None
     try:
+        if text.endswith("x"):
+            return MemoryLimit.of_1f1b_peak(float(text[:-1]))
         return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of microbatches or 'auto', got {text!r}") from None
+    except (ValueError, ScheduleError):
+        raise argparse.ArgumentTypeError(f"expected a number of microbatches, a multiple of 1F1B's peak such as 1x, "
+                                         f"or 'auto', got {text!r}") from None
 
 
 def _fault(text: str):
@@ -149,9 +156,11 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-bubble-max-pending-backward", type=_max_pending_backward, default=None,
                        metavar="N|auto",
                        help="Activation-memory limit of zb-auto and zb-v in microbatches held per rank (p = "
-                       "1F1B's peak, i.e. ZB-1p; 2p = ZB-2p; zb-h1 / zb-h2 have fixed memory). auto (default): on "
-                       "GPU what the free device memory holds, at most the planner's default; on CPU the default, "
-                       "2p for zb-auto and p for zb-v.")
+                       "1F1B's rank 0, i.e. ZB-1p; 2p = ZB-2p; zb-h1 / zb-h2 have fixed memory), or for zb-auto with "
+                       "one chunk Nx: N times the largest activation memory any rank holds under 1F1B on the same "
+                       "costs (1x: no rank holds more than 1F1B's fullest, where a larger last stage makes p M_B "
+                       "more). auto (default): on GPU what the free device memory holds, at most the planner's "
+                       "default; on CPU the default, 2p for zb-auto and p for zb-v.")
     group.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=None, metavar="START",
                        help=f"Re-planning from measured costs: pass times and activation sizes are recorded while "
                        f"megatron's count of completed iterations is in [START, END), i.e. in the iterations its "
