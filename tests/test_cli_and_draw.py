@@ -76,6 +76,14 @@ def test_model_preset_accepts_a_memory_limit_in_bytes(capsys):
     assert "p=8, m=8" in out and "GiB" in out
 
 
+def test_the_memory_limit_takes_a_multiple_of_1f1bs_peak_with_a_model_preset(capsys):
+    """The planner's check that 1x caps every rank at 1F1B's fullest is tests/test_auto_never_worse.py's."""
+    code, out, err = run(["simulate", "--schedule", "zb-auto", "--model", "1.5b", "-m", 16, "--memory-limit", "1x",
+                          "--ilp-time-limit", 0], capsys)
+    assert code == 0, err
+    assert "p=8, m=16" in out
+
+
 def test_memory_limit_is_microbatches_without_a_unit_and_bytes_with_one():
     assert parse_memory_limit("16") == (16.0, None)
     assert parse_memory_limit("40GiB") == (None, 40 * 2**30)
@@ -141,6 +149,8 @@ BAD_INPUTS = {
     "unknown schedule in compare": ["compare", "--schedules", "1f1b,zb-h9", "-p", "4", "-m", "8"],
     "bytes without a model": ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--memory-limit", "4GiB"],
     "bad unit": ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--memory-limit", "4XB"],
+    "no multiple of 1F1B's peak": ["simulate", "--schedule", "zb-auto", "-p", "4", "-m", "8", "--memory-limit", "0x"],
+    "1F1B's peak for two chunks": ["simulate", "--schedule", "zb-v", "-p", "4", "-m", "8", "--memory-limit", "1x"],
     "bad time": ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--t-f", "fast"],
     "wrong number of times": ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--t-f", "1,2,3"],
     "picture suffix": ["draw", "--schedule", "1f1b", "-p", "4", "-m", "8", "-o", "plan.jpg"],

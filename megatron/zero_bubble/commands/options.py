@@ -191,7 +191,14 @@ def _memory_limit(args, costs: Costs, layout: str, stages: int) -> MemoryLimit |
             raise UsageError(f"--mem-setup applies to the V schedules (zb-v, v-half, v-min), not to the "
                              f"{layout!r} layout")
         return None
-    microbatches, absolute = parse_memory_limit(args.memory_limit)
+    text = args.memory_limit
+    if text is not None and text.strip().lower().endswith("x"):  # a multiple of 1F1B's fullest rank
+        try:
+            return MemoryLimit.of_1f1b_peak(float(text.strip()[:-1]))
+        except (ValueError, ScheduleError):
+            raise UsageError(f"memory limit {text!r}: a multiple of 1F1B's peak is a positive number and x, "
+                             f"like 1x") from None
+    microbatches, absolute = parse_memory_limit(text)
     if absolute is not None and costs.memory_unit != "bytes":
         raise UsageError("a memory limit in bytes needs costs in bytes: give a model shape (--model or --layers ...)")
     return MemoryLimit.of(microbatches, absolute)

@@ -156,8 +156,9 @@ def _chunk_help() -> str:
 def _memory_help() -> str:
     defaults = "; ".join(f"{name}: {kind.default_memory_text}" for name, kind in SCHEDULES.items()
                          if kind.default_memory_limit is not None)
-    return ("per-rank activation limit: in-flight microbatches (p = ZB-1p, 2p = ZB-2p), or bytes like 40GiB with a "
-            f"model shape (default: the schedule's own; {defaults}; the others' memory follows from their order)")
+    return ("per-rank activation limit: in-flight microbatches (p = ZB-1p, 2p = ZB-2p), bytes like 40GiB with a "
+            "model shape, or Nx: N times the largest a rank holds under 1F1B on the same costs (one-chunk zb-auto) "
+            f"(default: the schedule's own; {defaults}; the others' memory follows from their order)")
 
 
 POST_VALIDATION_HELP = ("insert the post-validation passes on every rank: V (the previous step's validation) before "
