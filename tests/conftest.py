@@ -43,3 +43,13 @@ def _missing_requirements(items) -> dict[str, str]:
         if importlib.util.find_spec("transformer_engine") is None:
             missing["transformer_engine"] = "needs Transformer Engine (transformer_engine is not installed)"
     return missing
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    """torch.distributed initialised in this process as a gloo group of one rank (its WORLD group), for the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

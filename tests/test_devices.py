@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.zero_bubble.runtime.p2p import wire_device
 from megatron.zero_bubble.training.devices import check_gpu_kernels, check_shared_gpus
@@ -45,13 +44,6 @@ def test_the_shared_mode_runs_pipeline_ranks_through_the_runtime_over_gloo():
 def test_what_the_shared_mode_cannot_run_is_refused_naming_the_fix(changes, fix):
     message = _refusal(**changes)
     assert message is not None and fix in message
-
-
-@pytest.fixture
-def one_rank_gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_gloo_messages_of_cuda_tensors_travel_through_host_memory(one_rank_gloo):

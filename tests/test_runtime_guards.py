@@ -5,19 +5,11 @@ finalize_model_grads reduces over the pipeline group inside its S pass."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from megatron.zero_bubble.runtime import executor as executor_module
 from megatron.zero_bubble.runtime.planning import PlanSettings
 from megatron.zero_bubble.runtime.replan import ReplanningPipeline
 from megatron.zero_bubble.schedules import Costs, ScheduleError
-
-
-@pytest.fixture
-def one_rank_gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _pipeline(lines: list) -> ReplanningPipeline:

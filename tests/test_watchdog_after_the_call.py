@@ -11,7 +11,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.zero_bubble.runtime.p2p import PipelineTransport
 from megatron.zero_bubble.runtime.watchdog import PipelineWatchdog
@@ -40,13 +39,6 @@ class NcclLikeOps:
     def batch(self, posts, group):
         self.works.append(NcclLikeWork())
         return self.works[-1]
-
-
-@pytest.fixture
-def one_rank_gloo(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_a_receive_the_last_pass_waited_for_stays_watched_after_the_call_until_it_completes(one_rank_gloo):
