@@ -146,10 +146,14 @@ class PipelineTransport:
     def in_flight(self) -> list[Posted]:
         """What is posted and not known complete, oldest first (the watchdog's view)."""
         with self._lock:
-            while self._unfinished and self._unfinished[0].work.is_completed():  # one stream: in order
-                self._unfinished.popleft()
+            self._prune_unfinished()
             return [posted for batches in (self._unfinished, self._batches) for batch in batches
                     for posted in batch.posted]
+
+    def _prune_unfinished(self) -> None:
+        """Forget the waited-for batches the backend now reports complete (one stream: in order). Holds the lock."""
+        while self._unfinished and self._unfinished[0].work.is_completed():
+            self._unfinished.popleft()
 
     def warm_up(self, peers) -> None:
         """The program's warm-up: one exchange with every peer whose link is cold, all at once (links.py)."""
@@ -237,6 +241,7 @@ class PipelineTransport:
             done = [entry for entry in batch.posted if entry.is_send]
             for entry in done:
                 del self._sends[entry.msg]
+            self._prune_unfinished()  # kept short without a watchdog reading it too
             if self.completion_reported and not batch.work.is_completed():
                 self._unfinished.append(_PostedBatch(batch.work, batch.order, [
                     dataclasses.replace(entry, tensor=None, on_done=None, count=None) for entry in batch.posted]))

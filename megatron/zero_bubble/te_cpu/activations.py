@@ -107,7 +107,7 @@ def dbias_kernel(name: str, dact_kernel):
 
     def kernel(grad, act_input, quantizer):
         values = dact_kernel.gradient(grad, act_input)
-        fused = quantizer is not None and type(quantizer).__name__ == "Float8Quantizer"
+        fused = quantizer is not None and fp8.kind_of(f"dbias_d{name}", quantizer) == "delayed"
         summed = values if fused else values.to(grad.dtype).float()
         bias_grad = summed.reshape(-1, values.shape[-1]).sum(dim=0).to(grad.dtype)
         return [bias_grad, _output(f"dbias_d{name}", values, quantizer, grad.dtype)]

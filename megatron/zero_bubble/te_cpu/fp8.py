@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .dtypes import torch_dtype
 from .enums import DType
 from .refusal import refuse
 
@@ -117,6 +118,25 @@ def is_per_tensor_fp8(tensor) -> bool:
     return any(cls.__name__ in STORAGE_CLASSES for cls in type(tensor).__mro__)
 
 
+def logical_shape(tensor) -> list:
+    """The shape a per-tensor FP8 tensor stands for: its data's, or its transpose's with the first dimension last."""
+    if tensor._data is not None:
+        return list(tensor._data.shape)
+    return [*tensor._transpose.shape[1:], tensor._transpose.shape[0]]
+
+
+def rowwise_values(tensor) -> torch.Tensor | None:
+    """The float32 values (unscaled) of the row-wise FP8 data, in the tensor's shape; None without it."""
+    return None if tensor._data is None else values_of(tensor._data, tensor._fp8_dtype)
+
+
+def columnwise_values(tensor) -> torch.Tensor | None:
+    """The float32 values (unscaled) of the valid FP8 transpose, back in the tensor's shape; None without one."""
+    if tensor._transpose is None or tensor._transpose_invalid:
+        return None
+    return values_of(tensor._transpose, tensor._fp8_dtype).movedim(0, -1)
+
+
 def new_output(quantizer, shape, fake_dtype: torch.dtype):
     """An empty quantized tensor as TE's `create_tensor` makes it: data for row-wise usage, a transpose for
     column-wise usage, the scale's reciprocal (delayed scaling) or an empty scale inverse (current scaling)."""
@@ -129,9 +149,7 @@ def new_output(quantizer, shape, fake_dtype: torch.dtype):
                   quantizer=quantizer)
     if quantizer.internal:
         return storage(**_accepted(storage, dict(fake_dtype=fake_dtype, **common)))
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * shape[i + 1]
+    stride = list(torch.empty(shape, device="meta").stride())  # contiguous, as TE's stride_from_shape
     return float8_tensor(**_accepted(float8_tensor, dict(shape=shape, stride=stride, dtype=fake_dtype,
                                                          device=torch.device("cpu"), **common)))
 
@@ -148,8 +166,7 @@ def prepared_output(quantizer, output):
         raise ValueError(f"{type(quantizer).__name__} must output to a Float8Tensor, got {type(output).__name__}")
     if output._data is None and output._transpose is None:
         raise ValueError("Float8Tensor has no data")
-    shape = list(output._data.shape) if output._data is not None else \
-        [*output._transpose.shape[1:], output._transpose.shape[0]]
+    shape = logical_shape(output)
     if not quantizer.rowwise_usage:
         output._data = None
     elif output._data is None:
@@ -164,8 +181,7 @@ def prepared_output(quantizer, output):
 
 
 def _write(output, values: torch.Tensor, scale: torch.Tensor, dtype) -> None:
-    data = cast(values, scale, dtype).reshape(
-        output._data.shape if output._data is not None else [*output._transpose.shape[1:], output._transpose.shape[0]])
+    data = cast(values, scale, dtype).reshape(logical_shape(output))
     if output._data is not None:
         output._data.copy_(data)
     if output._transpose is not None:
@@ -224,15 +240,12 @@ def split_quantize(tensor, split_sections, quantizer_list, disable_bulk_allocati
 
 def dequantize(tensor, dtype):
     """tex.dequantize: the high-precision values of a per-tensor FP8 tensor."""
-    from .dtypes import torch_dtype
-
     if not is_per_tensor_fp8(tensor):
         raise refuse("dequantize", f"a {type(tensor).__name__}")
-    if tensor._data is not None:
-        values = values_of(tensor._data, tensor._fp8_dtype)
-    elif tensor._transpose is not None and not tensor._transpose_invalid:
-        values = values_of(tensor._transpose, tensor._fp8_dtype).movedim(0, -1).contiguous()
-    else:
+    values = rowwise_values(tensor)
+    if values is None and (values := columnwise_values(tensor)) is not None:
+        values = values.contiguous()
+    if values is None:
         raise RuntimeError("Float8Tensor has no data")
     return (values * tensor._scale_inv.float()).to(torch_dtype(dtype))
 

@@ -34,13 +34,10 @@ def _plain(kernel: str, name: str, tensor) -> torch.Tensor:
 def _fp8_operand(name: str, tensor, rowwise: bool):
     """The float32 values (unscaled, in the operand's own shape) of the FP8 buffer cuBLASLt reads on Hopper, and the
     scale inverse."""
-    if rowwise:
-        if tensor._data is None:
-            raise RuntimeError(f"generic_gemm: input {name} is missing row-wise usage")
-        return fp8.values_of(tensor._data, tensor._fp8_dtype), tensor._scale_inv.float()
-    if tensor._transpose is None or tensor._transpose_invalid:
-        raise RuntimeError(f"generic_gemm: input {name} is missing column-wise usage")
-    return fp8.values_of(tensor._transpose, tensor._fp8_dtype).movedim(0, -1), tensor._scale_inv.float()
+    values = fp8.rowwise_values(tensor) if rowwise else fp8.columnwise_values(tensor)
+    if values is None:
+        raise RuntimeError(f"generic_gemm: input {name} is missing {'row' if rowwise else 'column'}-wise usage")
+    return values, tensor._scale_inv.float()
 
 
 def operands(kernel: str, A, transa: bool, B, transb: bool):
