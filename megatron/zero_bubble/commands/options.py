@@ -192,12 +192,13 @@ def _memory_limit(args, costs: Costs, layout: str, stages: int) -> MemoryLimit |
                              f"{layout!r} layout")
         return None
     text = args.memory_limit
-    if text is not None and text.strip().lower().endswith("x"):  # a multiple of 1F1B's fullest rank
-        try:
-            return MemoryLimit.of_1f1b_peak(float(text.strip()[:-1]))
-        except (ValueError, ScheduleError):
-            raise UsageError(f"memory limit {text!r}: a multiple of 1F1B's peak is a positive number and x, "
-                             f"like 1x") from None
+    try:
+        of_1f1b = None if text is None else MemoryLimit.parse_of_1f1b(text)  # a multiple of 1F1B's fullest rank
+    except (ValueError, ScheduleError):
+        raise UsageError(f"memory limit {text!r}: a multiple of 1F1B's peak is a positive number and x, "
+                         f"like 1x") from None
+    if of_1f1b is not None:
+        return of_1f1b
     microbatches, absolute = parse_memory_limit(text)
     if absolute is not None and costs.memory_unit != "bytes":
         raise UsageError("a memory limit in bytes needs costs in bytes: give a model shape (--model or --layers ...)")

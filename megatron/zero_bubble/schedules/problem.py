@@ -19,15 +19,14 @@ class MemoryLimit:
 
     In-flight microbatches (the default): multiples of each rank's own one-microbatch activations M_B, the
     unit users think in (p = ZB-1p, 2p = ZB-2p). Absolute: the costs' memory unit (bytes when the costs
-    carry bytes), the same amount on every rank, or one amount per rank (`ranks`). Of 1F1B (`of_1f1b`): multiples
-    of the largest activation memory any rank holds under 1F1B on the same costs, on every rank ("1x": no rank
-    holds more than 1F1B's fullest; where the last stage's microbatch is larger, p M_B is not that); the planner
-    resolves it into per-rank amounts (`resolved`).
+    carry bytes), the same amount on every rank. Of 1F1B (`of_1f1b`): multiples of the largest activation memory
+    any rank holds under 1F1B on the same costs, on every rank ("1x": no rank holds more than 1F1B's fullest; where
+    the last stage's microbatch is larger, p M_B is not that); the planner resolves it into an absolute amount
+    (`resolved`).
     """
 
     amount: float
     absolute: bool = False
-    ranks: tuple[float, ...] | None = None  # absolute amounts per rank
     of_1f1b: bool = False
 
     @classmethod
@@ -48,19 +47,25 @@ class MemoryLimit:
             raise ScheduleError(f"memory limit must be positive, got {multiple:g}x 1F1B's")
         return cls(multiple, of_1f1b=True)
 
+    @classmethod
+    def parse_of_1f1b(cls, text: str) -> MemoryLimit | None:
+        """'Nx' (N times 1F1B's fullest rank) as a limit; None for any text without the x; ValueError or
+        ScheduleError for a bad N. The command lines' one spelling of it."""
+        text = text.strip()
+        if not text.lower().endswith("x"):
+            return None
+        return cls.of_1f1b_peak(float(text[:-1]))
+
     def resolved(self, one_f_one_b_peaks: list[float]) -> MemoryLimit:
-        """An of-1F1B limit as absolute amounts: the multiple of the largest of 1F1B's per-rank peaks, on each rank."""
+        """An of-1F1B limit as an absolute amount: the multiple of the largest of 1F1B's per-rank peaks."""
         if not self.of_1f1b:
             return self
-        largest = self.amount * max(one_f_one_b_peaks)
-        return MemoryLimit(largest, absolute=True, ranks=tuple(largest for _ in one_f_one_b_peaks))
+        return MemoryLimit(self.amount * max(one_f_one_b_peaks), absolute=True)
 
     def per_rank(self, stages: int, chunks: int, layout: str, costs: Costs) -> list[float]:
         """Each rank's limit in the costs' unit."""
         if self.of_1f1b:
             raise ScheduleError("a memory limit relative to 1F1B's peak must be resolved by the planner first")
-        if self.ranks is not None:
-            return [float(amount) for amount in self.ranks]
         if self.absolute:
             return [float(self.amount)] * stages
         # Checked here, where it is applied, as every caller reports planning errors from here on.

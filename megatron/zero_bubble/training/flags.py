@@ -84,9 +84,8 @@ def _max_pending_backward(text: str):
     if text == "auto":
         return None
     try:
-        if text.endswith("x"):
-            return MemoryLimit.of_1f1b_peak(float(text[:-1]))
-        return float(text)
+        limit = MemoryLimit.parse_of_1f1b(text)
+        return float(text) if limit is None else limit
     except (ValueError, ScheduleError):
         raise argparse.ArgumentTypeError(f"expected a number of microbatches, a multiple of 1F1B's peak such as 1x, "
                                          f"or 'auto', got {text!r}") from None

@@ -87,8 +87,9 @@ class ZeroBubbleSession:
         from ..runtime.post_validation import PostValidation
 
         chunks = list(model)
-        check_no_pipeline_group_collectives(self.megatron.model_config(chunks[0]))
-        if self.megatron.model_config(chunks[0]).calculate_per_token_loss:
+        config = self.megatron.model_config(chunks[0])
+        check_no_pipeline_group_collectives(config)
+        if config.calculate_per_token_loss:
             options["model_chunks"] = chunks  # the S pass divides by the token count (post_validation.py)
         controller = PostValidation.for_optimizer(optimizer, self.megatron, **options)
         self._install(optimizer_step, controller, model)
