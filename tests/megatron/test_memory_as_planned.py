@@ -92,8 +92,7 @@ def _run_fixed(case: Case) -> dict:
     profiler, executor, held = Profiler(schedule.chunks), [], []
 
     def observe(p, start, end):  # what ReplanningPipeline._record_pass hands the profiler
-        stores = executor[0].stores
-        profiler.record_pass(p.op, p.chunk, end - start, stores[p.chunk].pending_bytes if p.chunk < len(stores) else 0)
+        profiler.record_pass(p.op, p.chunk, end - start)
 
     with ZeroBubbleSession(schedule_for=lambda m: schedule, v_stages=v_stages, observer=observe) as session:
         executor.append(session.executor)
@@ -102,7 +101,8 @@ def _run_fixed(case: Case) -> dict:
         model = chunks if len(chunks) > 1 else chunks[0]
         _train(chunks, optimizer, ITERATIONS,
                forward_step=lambda i: profiler.forward_step(rank_model.gpt_forward_step, model),
-               after=lambda i: (profiler.end_iteration(), held.append(session.executor.last_stats.memory)))
+               after=lambda i: (profiler.end_iteration(session.executor.last_stats),
+                                held.append(session.executor.last_stats.memory)))
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         return {"pp_rank": pp_rank, "report": profiler.report(schedule.chunks, pp_rank), "held": held,
                 "schedule": schedule.to_dict()}

@@ -80,7 +80,8 @@ class PassCompute(Protocol):
         """A validation moved the loss scale after forward passes handed the old one on."""
 
     def pass_timer(self, clock: Callable[[], float]):
-        """What times an observed pass's compute (pass_timer.py): start(), stop() -> (start, end) on `clock`."""
+        """What times an observed pass's compute (pass_timer.py): start(), stop() -> (start, end) on `clock`, or with
+        `deferred` set, stop() -> None and read() -> every stopped pass's (start, end) since the last read."""
 
     def token_count(self) -> torch.Tensor:
         """The tokens this call's loss functions counted on this rank (0 where there is no loss), on the device:
@@ -88,6 +89,8 @@ class PassCompute(Protocol):
 
 
 PassObserver = Callable[[Pass, float, float], None]  # (pass, start, end), times of the iteration's clock
+# An observer sees each pass when it ends where the timer knows its times at once (the host clock); a CUDA timer's
+# are read after the run's last pass (pass_timer.py), and the observer sees every pass then, in the order they ran.
 
 
 @dataclass
@@ -98,6 +101,7 @@ class IterationStats:
     peak_in_flight: int = 0  # pairs whose F ran and whose W (or BW) has not
     peak_wgrad_bytes: int = 0  # bytes kept for deferred W (inputs and output gradients of linear layers)
     memory: HeldMemory | None = None  # allocated bytes after each compute pass (profiled calls; memory_probe.py)
+    wgrad_bytes: list = field(default_factory=list)  # (chunk, bytes its store grew by) of each observed B, in order
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,8 @@ class Iteration:
     observer: PassObserver | None = None
     memory: MemoryProbe | None = None  # reads the allocator after each compute pass (profiled calls only)
     faults: Faults = field(default_factory=Faults)  # injected on purpose (tests of clean stops: faults.py)
-    timer: object = None  # times observed compute passes (pass_timer.py), made at the first one
+    timer: object = None  # times observed compute passes (pass_timer.py), made at the first observed pass
+    observed: list = field(default_factory=list)  # (pass, (start, end) or None: the timer's) not yet seen
     clock: Callable[[], float] = time.perf_counter
     backward_finished: bool = False
     replaying: bool = False
@@ -189,6 +194,7 @@ class Iteration:
                 self.transport.warm_up(item.peers)
             elif item.op == Op.V:
                 if self._observed(item, self.validate_step):
+                    self._deliver_observed()
                     self.replay()
                     return
             elif item.op == Op.S:
@@ -203,6 +209,7 @@ class Iteration:
                 self._account(item)
         settle()
         self.transport.finish()
+        self._deliver_observed()
         for store in self.stores:
             if store.pending_count:
                 raise ScheduleError(f"{store.name}: W passes missing for microbatches {store.pending_microbatches}")
@@ -227,17 +234,35 @@ class Iteration:
         observer = None if self.replaying else self.observer
         if observer is None:
             return run(p)
+        if self.timer is None:
+            self.timer = self.compute.pass_timer(self.clock)
         if not compute:
             start = self.clock()
             result = run(p)
-            observer(p, start, self.clock())
+            self._seen(p, (start, self.clock()))
             return result
-        if self.timer is None:
-            self.timer = self.compute.pass_timer(self.clock)
+        held = self.stores[p.chunk].pending_bytes if p.op == Op.B else 0
         self.timer.start()
         result = run(p)
-        observer(p, *self.timer.stop())
+        self._seen(p, self.timer.stop())
+        if p.op == Op.B:
+            self.stats.wgrad_bytes.append((p.chunk, self.stores[p.chunk].pending_bytes - held))
         return result
+
+    def _seen(self, p: Pass, times: tuple[float, float] | None) -> None:
+        if self.timer.deferred:
+            self.observed.append((p, times))
+        else:
+            self.observer(p, *times)
+
+    def _deliver_observed(self) -> None:
+        """The observer sees the passes a deferred timer timed, now that their times can be read."""
+        if not self.observed:
+            return
+        readings = iter(self.timer.read())
+        for p, times in self.observed:
+            self.observer(p, *(times or next(readings)))
+        self.observed.clear()
 
     def finish_backward(self) -> None:
         """Reduce the gradients, once: before S, whose statistics need them reduced, or at the end."""

@@ -2,7 +2,7 @@
 
 During the timer window a `Profiler` takes every pass time from the executor's pass observer, the bytes
 each F saves for backward (`saved_activation_bytes`, tensors autograd keeps, weights excluded), and
-the bytes each B leaves in the chunk's WeightGradStore for its W, into a `PassProfile`. `measure_p2p_seconds` times a
+the bytes each B leaves in the chunk's WeightGradStore for its W (the iteration's stats), into a `PassProfile`. `measure_p2p_seconds` times a
 ping-pong of one pipeline tensor between neighbouring ranks, posted as the runtime posts its messages. Medians make the figures robust to the odd
 slow pass; `summary()` is plain data (lists of floats) so that it can be gathered to one rank.
 """
@@ -60,7 +60,6 @@ class Profiler:
 
     def __init__(self, chunks: int):
         self.profile = PassProfile()
-        self._held = [0] * chunks  # bytes each chunk's WeightGradStore held after its previous pass
         self.memory: HeldMemory | None = None  # what the allocator said after each pass of the last iteration
 
     def forward_step(self, forward_step_func, model):
@@ -80,17 +79,18 @@ class Profiler:
 
         return forward_step
 
-    def record_pass(self, op: str, chunk: int, seconds: float, held_bytes: int) -> None:
-        """One pass's time, and what the chunk's WeightGradStore holds after it (a B's growth is its M_W)."""
+    def record_pass(self, op: str, chunk: int, seconds: float) -> None:
         self.profile.record_pass(op, chunk, seconds)
-        if op == "B":
-            self.profile.record_wgrad_bytes(chunk, held_bytes - self._held[chunk])
-        self._held[chunk] = held_bytes
 
-    def end_iteration(self, memory: HeldMemory | None = None) -> None:
+    def end_iteration(self, stats=None) -> None:
+        """stats: the iteration's (iteration.IterationStats): what each B left for its W, the allocator's figures."""
         self.profile.iterations += 1
-        if memory is not None:
-            self.memory = memory
+        if stats is None:
+            return
+        for chunk, nbytes in stats.wgrad_bytes:
+            self.profile.record_wgrad_bytes(chunk, nbytes)
+        if stats.memory is not None:
+            self.memory = stats.memory
 
     def report(self, chunks: int, pp_rank: int) -> dict:
         """The summary of the window; with memory figures (memory_report.py) when a probe read them."""

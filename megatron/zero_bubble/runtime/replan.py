@@ -101,7 +101,7 @@ class ReplanningPipeline:
         result = self.executor(**kwargs, pass_observer=self._record_pass if timing else None,
                                memory_probe=self.memory_probe if timing else None)
         if timing:
-            self.profiler.end_iteration(self.executor.last_stats.memory)
+            self.profiler.end_iteration(self.executor.last_stats)
             if iteration == s.timers_end_iter - 1:
                 self._replan(kwargs, first_logged=iteration + 2)  # megatron logs counter i as iteration i+1
         return result
@@ -122,8 +122,7 @@ class ReplanningPipeline:
         self._measured.append((p, start - self._call_start, end - self._call_start))
         if not facts(p.op).takes_time:  # the post-validation passes: no cost of the plan's
             return
-        stores = self.executor.stores
-        self.profiler.record_pass(p.op, p.chunk, end - start, stores[p.chunk].pending_bytes if p.chunk < len(stores) else 0)
+        self.profiler.record_pass(p.op, p.chunk, end - start)
 
     # -- planning, agreed by every rank ----------------------------------------------------------------
     def plan_for(self, num_microbatches: int) -> Schedule:

@@ -12,6 +12,13 @@ model the programs are proven on (schedules/nccl_model.py, ../shared/reference/n
 - a batch is one kernel: it completes when all its sends and receives have, and waiting for one waits for all.
 A program that would stall or deadlock on NCCL stalls or deadlocks here too: a wait then fails after `timeout_s`,
 naming what it waited for.
+
+Where the host waits: a process that computes on its host must hold a message before it computes on it, so by default
+`wait()` and posting behind an incomplete batch block the caller, where NCCL would only order the GPU's streams.
+With `host_waits=False` they are NCCL's: `wait()` returns at once, posting never waits for the stream, and the host
+waits only at `synchronize()`, where megatron's optimizer step reads the gradient norm (`.item()`). That is for
+programs that never read what they receive (rehearsals, the watchdog's tests): what a rank does after a wait, and
+what sees a message that never comes once the host has gone on.
 """
 from __future__ import annotations
 
@@ -28,10 +35,11 @@ _DATA, _RUNNING, _FIRST_USE = 1, 2, 3  # gloo tags: payloads, "my batch runs", f
 
 
 class StrictBatch:
-    """One posted batch: `wait()` until all its operations are over, `is_completed()`."""
+    """One posted batch: `wait()` until all its operations are over (or, with `host_waits` off, at once, as
+    NCCL's wait only orders the stream), `is_completed()`, `synchronize()` (the host waits, whatever the mode)."""
 
-    def __init__(self, what: str, timeout_s: float):
-        self.what, self.timeout_s = what, timeout_s
+    def __init__(self, what: str, timeout_s: float, host_waits: bool = True):
+        self.what, self.timeout_s, self.host_waits = what, timeout_s, host_waits
         self._done = threading.Event()
         self.error: BaseException | None = None
 
@@ -39,6 +47,9 @@ class StrictBatch:
         return self._done.is_set()
 
     def wait(self) -> bool:
+        return self.synchronize() if self.host_waits else True
+
+    def synchronize(self) -> bool:
         if not self._done.wait(self.timeout_s):
             raise RuntimeError(f"strict p2p: the batch of {self.what} did not complete within {self.timeout_s:g} s "
                                f"(a group's batches run one at a time and a send completes only once its receive "
@@ -97,19 +108,26 @@ class StrictP2P:
 
     reports_completion = True  # is_completed() tells, as NCCL's works do (gloo's only after a wait)
 
-    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S, host_waits: bool = True):
+        self.timeout_s, self.host_waits = timeout_s, host_waits
         self._streams: dict[int, _Stream] = {}
 
     def batch(self, posts, group) -> StrictBatch:
         stream = self._stream(group)
-        if stream.last is not None:
+        if stream.last is not None and self.host_waits:
             stream.last.wait()  # the previous batch of the group must be over before this one may start
         self._first_use(stream, sorted({peer for _, _, peer in posts} - stream.warm))
         peers = ", ".join(f"{'send to' if is_send else 'receive from'} rank {peer}" for is_send, _, peer in posts)
-        stream.last = StrictBatch(peers, self.timeout_s)
+        stream.last = StrictBatch(peers, self.timeout_s, self.host_waits)
         stream.queue.put((posts, stream.last))
         return stream.last
+
+    def synchronize(self) -> None:
+        """The host waits for every batch posted so far (the GPU's streams wait for them, and a read of a result on
+        the host, such as the optimizer step's `.item()`, waits for the GPU)."""
+        for stream in list(self._streams.values()):
+            if stream.last is not None:
+                stream.last.synchronize()
 
     def _stream(self, group) -> _Stream:
         stream = self._streams.get(id(group))
