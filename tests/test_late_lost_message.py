@@ -98,13 +98,18 @@ def test_the_watchdog_names_a_late_lost_message_after_the_call_returned(tmp_path
                                                                   "from rank 1 did not complete"), lines
 
 
-def test_with_abort_the_watchdog_ends_the_job_with_exit_code_3_also_when_the_dump_fails(tmp_path):
-    """--zero-bubble-watchdog-abort with a flight-recorder path that cannot be written: a line says so, and the exit
-    still comes (a written dump is test_faults.py's launch)."""
-    prefix = str(tmp_path / "missing" / "fr_")
+@pytest.mark.parametrize("dump", ["written", "fails"])
+def test_with_abort_the_watchdog_dumps_and_ends_the_job_with_exit_code_3_also_when_the_dump_fails(tmp_path, dump):
+    """--zero-bubble-watchdog-abort: the flight recorder written where megatron points it, or a line saying it could
+    not be (a path that does not exist), and the exit either way."""
+    prefix = str(tmp_path / "fr_") if dump == "written" else str(tmp_path / "missing" / "fr_")
     exitcode, lines = _run(tmp_path, abort=True, dump_prefix=prefix)
     assert exitcode == 3, lines
     assert lines[0] == "the call returned" and LINE.match(lines[1]), lines
-    assert lines[2].startswith("zero-bubble: pipeline watchdog: rank 0 could not write the flight recorder "
-                               "(FileNotFoundError"), lines
+    if dump == "written":
+        assert lines[2] == f"zero-bubble: pipeline watchdog: rank 0 wrote the flight recorder to {prefix}0", lines
+        assert Path(f"{prefix}0").stat().st_size > 0
+    else:
+        assert lines[2].startswith("zero-bubble: pipeline watchdog: rank 0 could not write the flight recorder "
+                                   "(FileNotFoundError"), lines
     assert not any(line.startswith(("synchronized", "the step failed")) for line in lines), lines
