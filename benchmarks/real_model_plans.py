@@ -51,12 +51,14 @@ def lines() -> dict[str, tuple[list[str], list[str]]]:
     return out
 
 
-def advise(options: list[str], words: list[str]) -> dict[str, dict]:
+def advise(options: list[str], words: list[str]) -> tuple[dict[str, dict], list[str]]:
+    """advise's rows by label, and its lines on the rows that miss their aims."""
     done = subprocess.run([sys.executable, "-m", "megatron.zero_bubble.cli", "advise", *options, "--json", "--",
                            *words], capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(done.stderr.strip() or done.stdout.strip())
-    return {row["label"]: row for row in json.loads(done.stdout)["schedules"]}
+    result = json.loads(done.stdout)
+    return {row["label"]: row for row in result["schedules"]}, result["missed_aims"]
 
 
 def goals(rows: dict[str, dict]) -> list[tuple[bool, str]]:
@@ -89,7 +91,7 @@ def main(argv=None) -> None:
     chosen = {name: line for name, line in lines().items()
               if args.lines is None or any(part.lower() in name.lower() for part in args.lines.split(","))}
     for name, (options, words) in chosen.items():
-        rows = advise(options, words)
+        rows, missed = advise(options, words)
         base = rows["1f1b"]
         print(f"\n{name}")
         print("| schedule | time / 1F1B | peak per GPU / 1F1B's | peak per GPU |")
@@ -99,6 +101,8 @@ def main(argv=None) -> None:
                   f"| {row['peak_bytes'] / 2**30:.1f} GiB |")
         for met, line in goals(rows):
             print(f"  [{'met' if met else 'MISSED'}] {line}")
+        for line in missed:
+            print(f"  advise: {line}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ class Prediction:
     time_unit: str
     state: tuple[ModelState, ...]  # per pipeline rank
     activations: tuple[float, ...]  # per pipeline rank: the most held between passes, bytes
+    busy: tuple[float, ...] = ()  # per pipeline rank: the time its passes take, in the costs' time unit
+    held_per_microbatch: tuple[float, float] = (0.0, 0.0)  # the median virtual stage's M_F and M_W, bytes
 
     @property
     def peak_per_rank(self) -> tuple[float, ...]:
@@ -92,7 +94,14 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
     state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
     return Prediction(candidate=candidate, change=command_line(run, candidate), bubble_rate=timeline.bubble_rate,
                       makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
-                      activations=tuple(max(rank, default=0.0) for rank in held))
+                      activations=tuple(max(rank, default=0.0) for rank in held),
+                      busy=tuple(sum(t.end - t.start for t in rank) for rank in timeline.ranks),
+                      held_per_microbatch=(_median(costs.m_f), _median(costs.m_w)))
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return float(ordered[len(ordered) // 2]) if ordered else 0.0
 
 
 def advise(run: Run, parser, candidates: list[Candidate], costs_for: Callable[[list[int]], Costs],

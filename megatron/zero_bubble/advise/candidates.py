@@ -42,6 +42,12 @@ class Candidate:
     memory_limit: float | MemoryLimit | None
     flags: tuple[str, ...]  # what asks pretrain_gpt.py for it (beside the chunk flag, see `command_line`)
     megatron: bool = False  # megatron's own schedule (no zero-bubble flag)
+    aim: float | None = None  # the most time over 1F1B's it is meant to take (the V family's memory-saving rows)
+
+
+# What the controllable-memory paper has the V family's memory-saving members at: V-Half no slower than 1F1B,
+# V-Min close to it (within 10%)
+V_HALF_AIM, V_MIN_AIM = 1.0, 1.10
 
 
 def candidates(run: Run) -> list[Candidate]:
@@ -61,9 +67,9 @@ def candidates(run: Run) -> list[Candidate]:
         Candidate(f"zb-auto ({v} chunks)", "zb-auto", v, None, auto),
         Candidate("zb-v", "zb-v", 2, mem_setup_limit("zb", p), zb_v),
         Candidate("zb-v (V-Half memory)", "zb-v", 2, mem_setup_limit("half", p),
-                  zb_v + ("--zero-bubble-v-schedule-mem-setup", "half")),
+                  zb_v + ("--zero-bubble-v-schedule-mem-setup", "half"), aim=V_HALF_AIM),
         Candidate("zb-v (V-Min memory)", "zb-v", 2, mem_setup_limit("min", p),
-                  zb_v + ("--zero-bubble-v-schedule-mem-setup", "min")),
+                  zb_v + ("--zero-bubble-v-schedule-mem-setup", "min"), aim=V_MIN_AIM),
     ]
 
 

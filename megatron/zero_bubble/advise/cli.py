@@ -17,7 +17,7 @@ from ..commands.options import UsageError, parse_memory_limit
 from .advice import advise, single_stage
 from .candidates import candidates
 from .command_line import AdviseError, megatron_parser, read_run
-from .report import as_json, describe_run, describe_state, recommendation, size, table
+from .report import as_json, describe_run, describe_state, missed_aims, recommendation, size, table
 from .stage_costs import FLOPS_PER_SECOND, LINK_BYTES_PER_SECOND, find_profile, load_profile, model_costs
 
 PROG = "zb-schedule advise"
@@ -103,8 +103,8 @@ def cmd_advise(args) -> int:
         print(json.dumps(as_json(result)))
         return 0
     lines = ["zb-schedule advise: what pretrain_gpt.py would run", *describe_run(run),
-             f"  costs      {costs_from}", *(f"  note       {note}" for note in run.notes), "", *table(result), "",
-             *recommendation(result)]
+             f"  costs      {costs_from}", *(f"  note       {note}" for note in run.notes), "", *table(result),
+             *(f"  {line}" for line in missed_aims(result)), "", *recommendation(result)]
     print("\n".join(lines))
     return 0
 

@@ -66,6 +66,41 @@ def table(advice: Advice) -> list[str]:
     return lines
 
 
+def missed_aims(advice: Advice) -> list[str]:
+    """One line for each row that takes more time over 1F1B's than it is meant to (Candidate.aim), and why."""
+    lines = []
+    for p in advice.predictions:
+        ratio = advice.relative(p, "1f1b")
+        if p.candidate.aim is None or ratio is None or ratio <= p.candidate.aim + 1e-9:
+            continue
+        aim = ("no slower than 1F1B" if p.candidate.aim == 1.0 else
+               f"within {p.candidate.aim - 1:.0%} of 1F1B's time")
+        lines.append(f"{p.candidate.label} misses its aim ({aim}): {ratio:.3f}x 1F1B's time; {_why(advice, p)}")
+    return lines
+
+
+def _why(advice: Advice, p: Prediction) -> str:
+    """What holds a V back here: the memory W's deferral takes beside the activations, and what rank 0 carries with
+    both ends of the model; then the idle time its memory leaves."""
+    limit = p.candidate.memory_limit
+    memory = f"{limit:g} microbatches" if isinstance(limit, (int, float)) else _limit_json(limit)
+    m_f, m_w = p.held_per_microbatch
+    reasons = []
+    if m_w > m_f:
+        reasons.append(f"W's deferred operands outweigh an F's activations (M_W {size(m_w)} against M_F {size(m_f)} "
+                       f"per virtual stage), so the memory it is named for leaves little room to defer W")
+    others = sorted(p.busy[1:])
+    middle = others[len(others) // 2] if others else 0.0
+    states = sorted(state.total for state in p.state[1:])
+    if middle > 0 and states:
+        reasons.append(f"the V puts both ends of the model on pipeline rank 0, whose passes take "
+                       f"{p.busy[0] / middle - 1:.1%} longer than the other ranks' and whose model state is "
+                       f"{size(p.state[0].total - states[len(states) // 2])} larger")
+    one_f_one_b = advice.by_planner("1f1b")
+    baseline = f" (1F1B: {one_f_one_b.bubble_rate:.2%})" if one_f_one_b is not None else ""
+    return "; ".join(reasons + [f"at {memory} per rank {p.bubble_rate:.2%} of each rank's span is idle{baseline}"])
+
+
 def recommendation(advice: Advice) -> list[str]:
     best = advice.best
     cap = size(advice.gpu_memory)
@@ -124,4 +159,5 @@ def as_json(advice: Advice) -> dict:
             "stages": advice.run.layout.pp, "microbatches": advice.run.layout.microbatches,
             "schedules": [row(p) for p in advice.predictions],
             "not_applicable": [{"label": s.candidate.label, "reason": s.reason} for s in advice.skipped],
-            "best": None if best is None else best.candidate.label, "notes": list(advice.run.notes)}
+            "best": None if best is None else best.candidate.label, "notes": list(advice.run.notes),
+            "missed_aims": missed_aims(advice)}
