@@ -100,3 +100,16 @@ def test_the_memory_limit_takes_a_multiple_of_1f1bs_peak():
     assert limit.of_1f1b and limit.amount == 1.5 and limit.describe() == "1.5x 1F1B's peak"
     with pytest.raises(arguments.StartupRefusal, match="a multiple of 1F1B's peak such as 1x"):
         arguments.early_parser().parse_known_args(MODEL + PP4 + ["--zero-bubble-max-pending-backward", "0x"])
+
+
+@pytest.mark.parametrize("flags, words", [
+    ([], "--zero-bubble-output-layer-wgrad has no effect: no zero-bubble schedule is chosen"),
+    (["--pipeline-schedule", "1f1b", "--enable-zb-runtime"],
+     "--zero-bubble-output-layer-wgrad in-b places the output layer's weight gradient, which --pipeline-schedule 1f1b "
+     "does not split from its backward"),
+    (["--pipeline-schedule", "zb-h1"], None),
+    (["--pipeline-schedule", "zb-auto"], None),
+])
+def test_where_the_output_layers_w_runs_is_a_split_schedules_choice(flags, words, monkeypatch):
+    message = _refusal(PP4 + flags + ["--zero-bubble-output-layer-wgrad", "in-b"], monkeypatch)
+    assert message == words if words is None else message.startswith(words)

@@ -85,8 +85,10 @@ def definitions(work: str) -> dict[str, RunDefinition]:
     path = lambda name: os.path.join(work, name)  # noqa: E731
     runs = {
         "pp4/megatron": (4, PP4 + NO_CLIP + ["--save", path("ckpt"), "--save-interval", "3"], None),
+        # with the output layer's W kept inside B: another pass order on the last rank, the same numbers
         "pp4/zb-auto": (4, PP4 + NO_CLIP + ["--enable-zero-bubble", *TIMERS, "--zero-bubble-ilp-time-limit", "2",
-                                            "--zero-bubble-dump-schedule", path("dump")], None),
+                                            "--zero-bubble-dump-schedule", path("dump"),
+                                            "--zero-bubble-output-layer-wgrad", "in-b"], None),
         "pp4/zb-v": (4, PP4 + NO_CLIP + ["--zero-bubble-v-schedule", *TIMERS, "--zero-bubble-dump-schedule",
                                          path("dump-v")], None),
         # megatron's distributed checkpoint names layers by their global number: a V resumes a 1F1B save; its timer
@@ -139,9 +141,13 @@ def _iterations(first: int = 1):
 
 
 def test_zb_auto_prints_the_losses_and_norms_of_megatrons_1f1b_on_every_iteration(runs):
+    """With --zero-bubble-output-layer-wgrad in-b: the output layer's W runs inside B, before and after the re-plan,
+    and the losses and norms stay megatron's to the last digit."""
     same_training(runs["pp4/zb-auto"], runs["pp4/megatron"], _iterations())
     same_validation(runs["pp4/zb-auto"], runs["pp4/megatron"])
     assert "zero-bubble:" not in runs["pp4/megatron"]  # megatron's own schedule: nothing of ours runs
+    kept = [line for line in SCHEDULE_LINE_TEXT.findall(runs["pp4/zb-auto"]) if "W of output_layer kept in B" in line]
+    assert len(kept) == 2, runs["pp4/zb-auto"][-3000:]  # the initial plan and the re-planned one
 
 
 def test_zb_v_on_four_ranks_prints_the_losses_of_megatrons_1f1b(runs):
@@ -173,6 +179,7 @@ def test_a_resumed_run_measures_and_re_plans_in_its_own_timer_window(runs):
                      r"iteration 5", log), log[-3000:]
 
 
+SCHEDULE_LINE_TEXT = re.compile(r"zero-bubble: (?:running|re-planned) .*")
 SCHEDULE_LINE = re.compile(r"zero-bubble: (running|re-planned) (\S+) .*predicted bubble rate ([0-9.]+)%")
 
 
@@ -192,6 +199,7 @@ def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dum
     assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter5.json",
                      f"{name}-m8-iter5.png", f"{name}-m8-measured-iter4.trace.json"]
     replanned = Schedule.from_json(open(os.path.join(work_dir, dump, f"{name}-m8-iter5.json")).read())
+    assert replanned.info.get("wgrad_in_b") == (["output_layer"] if run == "pp4/zb-auto" else None)
     costs = Costs.from_dict(replanned.info["costs"])
     assert costs.memory_unit == "bytes" and min(costs.m_f) > 0 and min(costs.t_f) > 0 and min(costs.t_w) > 0
     assert min(costs.t_b) > 0 and min(costs.m_w) > 0  # every stage, MoE layers included, measured

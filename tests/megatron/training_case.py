@@ -48,6 +48,7 @@ class Case:
     costs: tuple | None = None  # (T_F, T_B, T_W per virtual stage, T_comm) to plan on (see `planned`); None: unit
     dropout: float = 0.0  # hidden dropout
     per_token: bool = False  # --calculate-per-token-loss (gpt_forward_step_per_token): gradients divided by tokens
+    head_wgrad: str = "auto"  # where the plan runs the output layer's W (PlanRequest.head_wgrad)
 
     @property
     def megatron_optimizer(self) -> bool:
@@ -59,7 +60,7 @@ BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that t
 
 @functools.lru_cache(maxsize=None)
 def planned(name: str, stages: int, microbatches: int, costs: tuple | None = None, post_validation: bool = False,
-            chunks: int | None = None):
+            chunks: int | None = None, head_wgrad: str = "auto"):
     """Schedule `name` as its planner makes it (ILP off), for `chunks` model chunks per rank (None: the schedule's
     natural count). `costs` as in `Case`: a plan of n virtual stages takes the last n entries of each tuple."""
     from megatron.zero_bubble.schedules import Costs
@@ -71,7 +72,7 @@ def planned(name: str, stages: int, microbatches: int, costs: tuple | None = Non
         t_f, t_b, t_w, t_comm = costs
         costs = Costs.make(n, t_f=t_f[-n:], t_b=t_b[-n:], t_w=t_w[-n:], t_comm=t_comm, chunks=chunks)
     return plan(name, PlanRequest(stages=stages, microbatches=microbatches, costs=costs, ilp_time_limit=0,
-                                  post_validation=post_validation, chunks=chunks))
+                                  post_validation=post_validation, chunks=chunks, head_wgrad=head_wgrad))
 
 
 class CaseRun:
@@ -167,7 +168,8 @@ class CaseRun:
 
 def _plan_for_microbatches(case: Case, microbatches: int):
     """The case's plan for the layout's chunks per rank (vpp; zb-auto plans any number)."""
-    return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation, case.layout.vpp)
+    return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation, case.layout.vpp,
+                   case.head_wgrad)
 
 
 def _ddp_config(case: Case):

@@ -33,6 +33,7 @@ class Prediction:
     activations: tuple[float, ...]  # per pipeline rank: the most held between passes, bytes
     busy: tuple[float, ...] = ()  # per pipeline rank: the time its passes take, in the costs' time unit
     held_per_microbatch: tuple[float, float] = (0.0, 0.0)  # the median virtual stage's M_F and M_W, bytes
+    wgrad_in_b: tuple[str, ...] = ()  # layers whose W the plan keeps inside B (schedule.info["wgrad_in_b"])
 
     @property
     def peak_per_rank(self) -> tuple[float, ...]:
@@ -86,6 +87,7 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
     request = PlanRequest(stages=layout.pp, microbatches=layout.microbatches, costs=costs, chunks=candidate.chunks,
                           memory_limit=candidate.memory_limit, ilp_time_limit=ilp_time_limit)
     schedule, timeline = plan_with_timeline(candidate.planner, request)
+    costs = Costs.from_dict(schedule.info["costs"])  # with the output layer's W in B where the planner kept it there
     # as in the first call: what a later call's baseline still holds of the previous one is not counted twice
     held = held_memory_profile(schedule, costs, pipeline_tensor_bytes(run), after_a_call=False)
     counts = layout.placement.counts(layout.pp, candidate.chunks)
@@ -96,7 +98,8 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
                       makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
                       activations=tuple(max(rank, default=0.0) for rank in held),
                       busy=tuple(sum(t.end - t.start for t in rank) for rank in timeline.ranks),
-                      held_per_microbatch=(_median(costs.m_f), _median(costs.m_w)))
+                      held_per_microbatch=(_median(costs.m_f), _median(costs.m_w)),
+                      wgrad_in_b=tuple(schedule.info.get("wgrad_in_b", ())))
 
 
 def _median(values) -> float:

@@ -63,6 +63,9 @@ def table(advice: Advice) -> list[str]:
                      f"{'yes' if p.peak <= advice.gpu_memory else 'no'}")
     for s in advice.skipped:
         lines.append(f"{s.candidate.label:30s} does not apply: {s.reason}")
+    kept = [p.candidate.label for p in advice.predictions if p.wgrad_in_b]
+    if kept:
+        lines.append(f"  the output layer's W stays in B (a faster plan than deferring it) in: {', '.join(kept)}")
     return lines
 
 
@@ -152,7 +155,7 @@ def as_json(advice: Advice) -> dict:
             "peak_rank": p.peak_rank, "peak_bytes_per_rank": list(p.peak_per_rank),
             "activation_bytes_per_rank": list(p.activations),
             "model_state_per_rank": [vars(s) for s in p.state], "fits": p.peak <= advice.gpu_memory,
-            "add": list(p.change.add), "drop": list(p.change.drop)}
+            "add": list(p.change.add), "drop": list(p.change.drop), "wgrad_in_b": list(p.wgrad_in_b)}
 
     best = advice.best
     return {"gpu_memory_bytes": advice.gpu_memory, "costs_from": advice.costs_from,

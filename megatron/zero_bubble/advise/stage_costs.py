@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from ..schedules.costs import Costs
-from .activations import pipeline_tensor_bytes, stage_saved
+from .activations import head_saved, pipeline_tensor_bytes, stage_saved
 from .run import Run
 
 FLOPS_PER_SECOND = 125e12  # as Costs.from_model: the paper's profiled 1.5B model on A100
@@ -95,7 +95,7 @@ def model_costs(run: Run, counts: list[int], flops_per_second: float = FLOPS_PER
                  t_w=tuple(t.w / per_ms for t in times), m_f=tuple(s.forward for s in saved),
                  m_w=tuple(s.wgrad for s in saved),
                  t_comm=pipeline_tensor_bytes(run) / link_bytes_per_second * 1e3, memory_unit="bytes",
-                 time_unit="ms")
+                 time_unit="ms", head_t_w=head_flops(run).w / per_ms, head_m_w=head_saved(run).wgrad)
 
 
 # ---------------------------------------------------------------- profiled costs
@@ -116,7 +116,9 @@ class Profile:
         for name, value in self.per_layer.items():
             fields[name] = tuple(max(count, _EMPTY_STAGE) * value + (self.head[name] if v == len(counts) - 1 else 0)
                                  for v, count in enumerate(counts))
-        return Costs(**fields, t_comm=self.t_comm, memory_unit="bytes", time_unit=self.time_unit)
+        # the last stage's excess over its layers is the head's: its W time and what its W keeps are known parts
+        return Costs(**fields, t_comm=self.t_comm, memory_unit="bytes", time_unit=self.time_unit,
+                     head_t_w=self.head["t_w"], head_m_w=self.head["m_w"])
 
 
 def _replanned_iteration(path: str) -> int:

@@ -193,6 +193,14 @@ class MegatronAdapter:
             raise
         return weights + te_params, _Undo((te, local))
 
+    @staticmethod
+    def named_layer_weights(module, names) -> list:
+        """The weights of `module`'s layers with one of these names (the last part of the qualified name:
+        "output_layer"), as a schedule's info["wgrad_in_b"] names the layers whose W stays in B."""
+        wanted = set(names)
+        return [layer.weight for name, layer in module.named_modules()
+                if name.rsplit(".", 1)[-1] in wanted and getattr(layer, "weight", None) is not None]
+
     def transformer_engine_layers(self, module) -> list:
         """The Transformer Engine modules of `module` whose weight gradients split_linear_layers defers."""
         from . import te_wgrad

@@ -78,6 +78,16 @@ class PipelineExecutor:
             self._attached_to = key
         return self.stores
 
+    def _keep_in_b(self, schedule: Schedule, chunks: list, stores: list[WeightGradStore]) -> None:
+        """The layers whose W the schedule keeps inside B (info["wgrad_in_b"]), where the chunk's store holds them (a
+        layer the split leaves alone runs its W in B anyway)."""
+        if not schedule.uses_split_backward():
+            return
+        names = schedule.info.get("wgrad_in_b", ())
+        for store, chunk in zip(stores, chunks):
+            held = {id(weight) for weight in store.weights}
+            store.keep_in_b([w for w in self.megatron.named_layer_weights(chunk, names) if id(w) in held])
+
     def _prepare_stores(self, chunks: list) -> None:
         """With megatron DDP's overlapped reduction, the stores report deferred weights through DDP's own hook."""
         for store, chunk in zip(self.stores, chunks):
@@ -213,6 +223,7 @@ class PipelineExecutor:
                                                     decoder_seq_length)
         device = current_device()
         stores = self._stores_for(chunks, schedule.uses_split_backward())
+        self._keep_in_b(schedule, chunks, stores)
         run = MegatronRun(forward_step_func, iterators, chunks, num_microbatches, config, pg_collection.cp.size(),
                           forward_only, collect_non_loss_data, first_val_step, pg_collection, force_all_reduce)
         check = self.split_check

@@ -8,7 +8,7 @@ gathers the facts and broadcasts the decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..schedules.costs import TIME_UNITS, Costs
@@ -35,6 +35,7 @@ class PlanSettings:
     initial_costs: Costs | None = None  # None: unit costs
     post_validation: bool = False  # S and V passes for the optimizer's post-update validation
     device_memory_share: float = DEVICE_MEMORY_SHARE  # of the free device memory, for the automatic limit
+    head_wgrad: str = "auto"  # where a split schedule runs the output layer's W (PlanRequest.head_wgrad)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,16 @@ def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t
                  time_unit="s")
 
 
+def with_head_share(measured: Costs, estimated: Costs | None) -> Costs:
+    """Measured costs with the output layer's share of the last virtual stage's T_W and M_W taken from the estimate
+    (the passes are timed whole, the layer's part is not), so that re-planning can weigh keeping its W in B too."""
+    if estimated is None or not estimated.head_wgrad_known or measured.num_virtual_stages != estimated.num_virtual_stages:
+        return measured
+    t_share = estimated.head_t_w / estimated.t_w[-1] if estimated.t_w[-1] > 0 else 0.0
+    m_share = estimated.head_m_w / estimated.m_w[-1] if estimated.m_w[-1] > 0 else 0.0
+    return replace(measured, head_t_w=t_share * measured.t_w[-1], head_m_w=m_share * measured.m_w[-1])
+
+
 def describe_costs(costs: Costs) -> str:
     to_ms = TIME_UNITS[costs.time_unit] / TIME_UNITS["ms"]
 
@@ -102,15 +113,20 @@ class RankZeroPlanner:
             t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
             t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
             costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
+            if previous is None or not previous.info.get("wgrad_in_b"):  # else measured with it in B already
+                costs = with_head_share(costs, s.initial_costs)
             source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
         cost_aware = schedule_kind(s.schedule).cost_aware
         limit = self.memory_limit(costs, gathered) if cost_aware else None
+        head_wgrad = s.head_wgrad
+        if previous is not None and previous.info.get("wgrad_in_b"):
+            head_wgrad = "in-b"  # measured with the output layer's W inside B: the costs hold it there already
         reports = [f["report"] for f in gathered if f.get("report")]
         try:
             if cost_aware or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
                                                         memory_limit=limit, ilp_time_limit=s.ilp_time_limit,
-                                                        post_validation=s.post_validation))
+                                                        post_validation=s.post_validation, head_wgrad=head_wgrad))
             else:  # a fixed order: only its prediction changes with the costs
                 schedule = Schedule.from_dict(previous.to_dict())
                 schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}
@@ -118,6 +134,9 @@ class RankZeroPlanner:
             memory = memory_record(previous, costs, reports, None, s.timers_end_iter) if previous else None
             return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})", memory=memory)
         of_1f1b = limit.amount if isinstance(limit, MemoryLimit) else None  # checked by the planner, in bytes
+        if schedule.info.get("wgrad_in_b") and (cost_aware or previous is None):  # planned now, with the output
+            # layer's W in B: on the costs that say so
+            costs = Costs.from_dict(schedule.info["costs"])
         schedule.info.update(costs=costs.to_dict(), memory_limit=None if of_1f1b else limit, costs_from=source,
                              **({"memory_limit_of_1f1b": of_1f1b} if of_1f1b else {}))
         memory = None

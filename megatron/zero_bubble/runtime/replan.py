@@ -165,6 +165,8 @@ class ReplanningPipeline:
         where += f", memory limit {limit:g} microbatches" if limit is not None else ""
         if info.get("memory_limit_of_1f1b") is not None:
             where += f", memory limit {info['memory_limit_of_1f1b']:g}x 1F1B's peak"
+        if info.get("wgrad_in_b"):
+            where += f", W of {', '.join(info['wgrad_in_b'])} kept in B"
         rate = info["predicted"]["bubble_rate"]
         if when == "initial":
             later = ("; re-planned from measured pass times after iteration "

@@ -25,6 +25,10 @@ by microbatch, in W passes of about equal cost: each weight still accumulates it
 (bit-identical), but the last layers' gradients are complete after the first of those passes instead of
 the last, so their reduction overlaps the rest.
 
+A schedule may keep some layers' W inside B (`keep_in_b`; the output layer, where its deferred operands are large:
+schedules/costs.py): their work is collected during the B pass as a BW pass collects it, and runs as the pass's
+backward ends, so each such weight still accumulates its microbatches in order and keeps nothing for a W pass.
+
 The store is handed to the layers whose weight gradients it holds (`attach`, through megatron's adapter;
 undone by `detach`): a layer reaches its store through that hand-over, never through thread-local or global
 state, which autograd's CUDA backward thread would not see.
@@ -85,6 +89,9 @@ class WeightGradStore:
         self._undo: list = []  # what handed the weights to this store, to undo on release
         self._b_scopes: list[Callable] = []  # context factories entered around each B pass (attach's holders)
         self._pending_bytes = 0  # kept as work comes and goes: the executor reads it after every pass
+        self._in_b: set[int] = set()  # ids of the weights whose W runs inside B (keep_in_b)
+        self._in_b_works: list[DeferredWork] = []  # theirs, collected during the B pass now running
+        self._in_b_ran: list[DeferredWork] = []  # theirs that ran as the last B pass ended (grad_ready)
 
     # -- ownership -----------------------------------------------------------------------------------
     def attach(self, module: torch.nn.Module, megatron) -> int:
@@ -113,6 +120,22 @@ class WeightGradStore:
     def weights(self) -> tuple[torch.nn.Parameter, ...]:
         return tuple(self._weights)
 
+    def keep_in_b(self, weights) -> None:
+        """Run these weights' W inside each B pass instead of deferring it (replaces the previous set); each must be
+        one this store holds."""
+        self._require_idle("keep_in_b")
+        owned = {id(weight) for weight in self._weights}
+        strangers = [tuple(weight.shape) for weight in weights if id(weight) not in owned]
+        if strangers:
+            raise ScheduleError(f"WeightGradStore {self.name!r}: cannot keep W in B for weights it does not hold "
+                                f"(shapes {strangers})")
+        self._in_b = {id(weight) for weight in weights}
+
+    @property
+    def kept_in_b(self) -> int:
+        """How many weights run their W inside B."""
+        return len(self._in_b)
+
     # -- B pass --------------------------------------------------------------------------------------
     @property
     def active(self) -> bool:
@@ -125,13 +148,20 @@ class WeightGradStore:
         if self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: split_backward() is already active")
         self._active = True
+        self._in_b_ran = []
         try:
             with ExitStack() as scopes:
                 for scope in self._b_scopes:
                     scopes.enter_context(scope())
                 yield self
+            self._active = False
+            works, self._in_b_works = self._in_b_works, []
+            for work in works:  # as a BW pass runs them when its backward ends
+                work()
+            self._in_b_ran = works
         finally:
             self._active = False
+            self._in_b_works = []
             self._first_uses.clear()
 
     @contextmanager
@@ -167,6 +197,9 @@ class WeightGradStore:
         """Keep the work for a W pass (during B)."""
         if not self._active:
             raise RuntimeError(f"WeightGradStore {self.name!r}: defer() called outside split_backward()")
+        if id(work.weight) in self._in_b:
+            self._add(self._in_b_works, work)
+            return
         self._pending_bytes += work.nbytes  # before `_add`: an absorbing work's nbytes grows by the same
         self._add(self._open, work)
 
@@ -188,6 +221,9 @@ class WeightGradStore:
         self._queue.append((mb, self._open))
         self._open = []
         if last and self.grad_ready is not None:
+            for work in self._in_b_ran:  # complete with the last B
+                for param in completed_params(work):
+                    self.grad_ready(param)
             self._by_layer()
 
     def _by_layer(self) -> None:

@@ -2,13 +2,15 @@
 
 Notation of the paper: T_F, T_B, T_W (time of F, B, W), T_comm (stage-to-stage send), M_B (activation
 memory an F adds, all freed by B+W; named m_f here because F adds it) and M_W (what B keeps for W).
-Per-stage tuples let the first and last stages carry the embedding and the LM head.
+Per-stage tuples let the first and last stages carry the embedding and the LM head. `head_t_w` and `head_m_w` are
+the output layer's share of the last virtual stage's T_W and M_W, where the costs know it: its W may stay in B
+(`head_wgrad_in_b`), which a planner weighs (planners.py) when the output layer's deferred operands are large.
 Memory is in `memory_unit`: "microbatches" (1.0 = one microbatch's activations of one rank) or "bytes";
 times are in `time_unit` ("ms" or "s"), which every printed or drawn figure names.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Sequence
 
@@ -83,6 +85,8 @@ class Costs:
     t_comm: float = 0.0
     memory_unit: str = "microbatches"
     time_unit: str = "ms"
+    head_t_w: float = 0.0  # the output layer's part of the last virtual stage's T_W (0: not known)
+    head_m_w: float = 0.0  # and of its M_W: what its W keeps from B to W
 
     def __post_init__(self):
         if self.time_unit not in TIME_UNITS:
@@ -93,6 +97,22 @@ class Costs:
                 raise ScheduleError(f"costs: {name} has {len(getattr(self, name))} values, t_f has {n}")
         if min(self.t_f + self.t_b + self.t_w) < 0 or self.t_comm < 0:
             raise ScheduleError("costs: pass times and T_comm must not be negative")
+        if not (0 <= self.head_t_w <= self.t_w[-1] * (1 + 1e-9) and 0 <= self.head_m_w <= self.m_w[-1] * (1 + 1e-9)):
+            raise ScheduleError("costs: the output layer's T_W and M_W must be parts of the last virtual stage's")
+
+    @property
+    def head_wgrad_known(self) -> bool:
+        """Whether the output layer's W is a known, separate part of the last virtual stage's."""
+        return self.head_t_w > 0
+
+    def head_wgrad_in_b(self) -> "Costs":
+        """The same costs with the output layer's W run inside its B: the last virtual stage's B takes that time
+        from its W, and B keeps nothing for it."""
+        t_b, t_w, m_w = list(self.t_b), list(self.t_w), list(self.m_w)
+        t_b[-1] += self.head_t_w
+        t_w[-1] = max(0.0, t_w[-1] - self.head_t_w)
+        m_w[-1] = max(0.0, m_w[-1] - self.head_m_w)
+        return replace(self, t_b=tuple(t_b), t_w=tuple(t_w), m_w=tuple(m_w), head_t_w=0.0, head_m_w=0.0)
 
     @property
     def num_virtual_stages(self) -> int:
@@ -182,7 +202,8 @@ class Costs:
             m_f.append(stage.m_b + (4 * s * b * vocab + bytes_per_element * sbh if head else 0))
             m_w.append(stage.m_w + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
         t_comm = bytes_per_element * sbh / link_bytes_per_second / TIME_UNITS[time_unit]
-        return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes", time_unit)
+        return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes", time_unit,
+                   head_t_w=head_flops / flops_per_unit, head_m_w=bytes_per_element * (sbh + s * b * vocab))
 
     def rank_microbatch_memory(self, owners: Sequence[Sequence[int]]) -> list[float]:
         """Activation memory of one whole microbatch on each rank (the M_B of that rank).
@@ -204,4 +225,6 @@ class Costs:
             t_comm=float(data.get("t_comm", 0.0)),
             memory_unit=str(data.get("memory_unit", "microbatches")),
             time_unit=str(data.get("time_unit", "ms")),
+            head_t_w=float(data.get("head_t_w", 0.0)),
+            head_m_w=float(data.get("head_m_w", 0.0)),
         )

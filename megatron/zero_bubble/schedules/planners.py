@@ -18,7 +18,7 @@ from . import auto, baselines, handcrafted, vbudget, vshape
 from .costs import Costs
 from .memory import memory_profile
 from .post_validation import with_post_validation
-from .problem import MemoryLimit, PlanRequest
+from .problem import OUTPUT_LAYER, MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
 from .simulate import Timeline
 from .validate import validate
@@ -237,6 +237,37 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     if request.microbatches < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
     request = resolve(name, request)
+    in_b = request.head_wgrad == "in-b" and kind.split_backward
+    if request.head_wgrad == "auto" and kind.split_backward and kind.cost_aware and request.costs.head_wgrad_known:
+        return _faster(lambda: _built(kind, request),
+                       lambda: _built(kind, replace(request, costs=request.costs.head_wgrad_in_b()), in_b=True))
+    if in_b:
+        request = replace(request, costs=request.costs.head_wgrad_in_b())
+    return _built(kind, request, in_b)
+
+
+# How much shorter a plan with the output layer's W in B must be to be kept: deferring is the default, and a change for
+# a gain within the cost model's error would only move memory around
+HEAD_WGRAD_IN_B_GAIN = 1e-3
+
+
+def _faster(deferred: Callable, kept_in_b: Callable) -> tuple[Schedule, Timeline]:
+    """The output layer's W deferred or kept in B, whichever plan is shorter (in B only when shorter by
+    HEAD_WGRAD_IN_B_GAIN); one that cannot be planned (it does not fit the limit) leaves the other."""
+    try:
+        plans = [deferred()]
+    except ScheduleError:
+        return kept_in_b()
+    try:
+        plans.append(kept_in_b())
+    except ScheduleError:
+        pass
+    return min(plans, key=lambda plan: plan[1].makespan * (1 + HEAD_WGRAD_IN_B_GAIN * (plan is not plans[0])))
+
+
+def _built(kind: ScheduleKind, request: PlanRequest, in_b: bool = False) -> tuple[Schedule, Timeline]:
+    """The kind's plan for a resolved request, validated on its costs; `in_b`: the costs have the output layer's W
+    inside B, and the schedule says so (info["wgrad_in_b"], which the runtime honours)."""
     schedule = kind.build(request)
     if request.post_validation:
         schedule = with_post_validation(schedule)
@@ -246,4 +277,6 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     schedule.info["predicted"].update(
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory
     )
+    if in_b:
+        schedule.info["wgrad_in_b"] = [OUTPUT_LAYER]
     return schedule, timeline

@@ -87,6 +87,10 @@ class MemoryLimit:
         return f"{self.amount:g}" + ("" if not self.absolute else " (absolute)")
 
 
+HEAD_WGRAD_CHOICES = ("auto", "deferred", "in-b")
+OUTPUT_LAYER = "output_layer"  # the name a schedule's info["wgrad_in_b"] gives the output layer (the LM head)
+
+
 @dataclass(frozen=True)
 class PlanRequest:
     stages: int
@@ -98,6 +102,12 @@ class PlanRequest:
     ilp_time_limit: float = 10.0  # seconds; 0 skips the ILP refinement
     progress: Callable[[str], None] | None = None  # called with a line of progress during long ILP runs
     post_validation: bool = False  # insert the post-validation passes V and S on every rank (any layout)
+    # Where the output layer's W runs under a split schedule: "auto" (a cost-aware planner plans both ways and keeps
+    # the faster, where the costs know the output layer's share of W), "deferred" (a W pass) or "in-b" (inside B)
+    head_wgrad: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit))
+        if self.head_wgrad not in HEAD_WGRAD_CHOICES:
+            raise ScheduleError(f"the output layer's W: expected one of {', '.join(HEAD_WGRAD_CHOICES)}, got "
+                                f"{self.head_wgrad!r}")

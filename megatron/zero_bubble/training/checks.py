@@ -30,7 +30,8 @@ RUNTIME_ONLY_FLAGS = ("zero_bubble_max_pending_backward", "zero_bubble_v_schedul
                       "zero_bubble_adaptive_memory_limit_percentile",
                       "zero_bubble_pipeline_timers_start_iter",
                       "zero_bubble_pipeline_timers_end_iter", "zero_bubble_dump_schedule",
-                      "zero_bubble_watchdog_timeout", "zero_bubble_watchdog_abort", "zero_bubble_inject_fault")
+                      "zero_bubble_watchdog_timeout", "zero_bubble_watchdog_abort", "zero_bubble_inject_fault",
+                      "zero_bubble_output_layer_wgrad")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ZeroBubbleOptions:
     exact_rollback: bool = False
     device_memory_share: float | None = None  # of the free device memory for the automatic limit; None: default
     split_check: bool = False  # fused and split compared on the real layers before the first iteration
+    head_wgrad: str = "auto"  # where a split schedule runs the output layer's W (PlanRequest.head_wgrad)
 
 
 def _dest(flag: str) -> str:
@@ -213,6 +215,11 @@ def check_schedule_flags(args, schedule: str, flag: str) -> None:
             f"--zero-bubble-max-pending-backward {limit:g} is below one microbatch; give at least 1 (p = 1F1B's memory)"
         )
     _check_memory_share(args)
+    head_wgrad = getattr(args, "zero_bubble_output_layer_wgrad", None)
+    if head_wgrad is not None and schedule not in SPLIT_BACKWARD_SCHEDULES:
+        raise StartupRefusal(f"--zero-bubble-output-layer-wgrad {head_wgrad} places the output layer's weight "
+                             f"gradient, which {flag} does not split from its backward; drop the flag or choose a "
+                             f"split schedule ({', '.join(SPLIT_BACKWARD_SCHEDULES)})")
     setup = getattr(args, "zero_bubble_v_schedule_mem_setup", None)
     if setup is not None and layout_of(schedule) != "v":
         raise StartupRefusal(f"--zero-bubble-v-schedule-mem-setup sets ZB-V's memory, not {flag}'s; add "
@@ -250,6 +257,7 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
     _check_runtime(args, flag)
     if schedule in SPLIT_BACKWARD_SCHEDULES:
         check_transformer_engine_split(args, flag)
+    head_wgrad = getattr(args, "zero_bubble_output_layer_wgrad", None)
     limit = args.zero_bubble_max_pending_backward
     if getattr(args, "zero_bubble_v_schedule_mem_setup", None) is not None:
         limit = mem_setup_limit(args.zero_bubble_v_schedule_mem_setup, args.pipeline_model_parallel_size)
@@ -260,6 +268,7 @@ def check_zero_bubble(args, schedule: str, flag: str) -> ZeroBubbleOptions:
         device_memory_share=None if args.zero_bubble_adaptive_memory_limit_percentile is None
         else args.zero_bubble_adaptive_memory_limit_percentile / 100,
         split_check=schedule in SPLIT_BACKWARD_SCHEDULES and getattr(args, "zero_bubble_split_check", True),
+        head_wgrad=head_wgrad or "auto",
     )
     _try_planning(args, options, flag)
     return options
@@ -376,7 +385,7 @@ def _try_planning(args, options: ZeroBubbleOptions, flag: str) -> None:
         plan(options.schedule, PlanRequest(
             stages=args.pipeline_model_parallel_size, microbatches=microbatches(args), chunks=chunks,
             memory_limit=options.memory_limit, ilp_time_limit=0,
-            post_validation=args.enable_optimizer_post_validation,
+            post_validation=args.enable_optimizer_post_validation, head_wgrad=options.head_wgrad,
         ))
     except ScheduleError as error:
         raise StartupRefusal(f"{flag}: {error}") from None

@@ -68,7 +68,7 @@ def plan_settings(args, options: ZeroBubbleOptions):
         schedule=options.schedule, stages=p, chunks=chunks, memory_limit=options.memory_limit,
         ilp_time_limit=options.ilp_time_limit, timers_start_iter=options.timers_start_iter,
         timers_end_iter=options.timers_end_iter, dump_dir=options.dump_dir, initial_costs=costs,
-        post_validation=options.post_validation,
+        post_validation=options.post_validation, head_wgrad=options.head_wgrad,
         **({} if options.device_memory_share is None else {"device_memory_share": options.device_memory_share}),
     )
 
