@@ -274,6 +274,23 @@ def test_a_v_row_that_misses_its_aim_says_so_and_why_in_one_line(capsys):
     assert f"  {line}\n" in capsys.readouterr().out
 
 
+def test_the_automatic_limit_plans_each_rank_under_what_its_model_state_leaves_of_the_gpu(capsys):
+    """The row training's --zero-bubble-max-pending-backward auto would run: every rank's activations capped at a
+    share of what its model state leaves of --gpu-memory. Between 1F1B's peak and zb-auto at 2x, it fits where 2x
+    does not, and is no slower than 1F1B."""
+    def rows(*options):
+        assert main(["advise", "--json", *options, "--", *SMALL]) == 0
+        return {row["label"]: row for row in json.loads(capsys.readouterr().out)["schedules"]}
+
+    wide = rows()
+    cap = int((wide["1f1b"]["peak_bytes"] + wide["zb-auto (2x 1F1B memory)"]["peak_bytes"]) / 2)
+    tight = rows("--gpu-memory", f"{cap}B")
+    auto = tight["zb-auto (auto: GPU memory)"]
+    assert auto["fits"] and not tight["zb-auto (2x 1F1B memory)"]["fits"]
+    assert auto["makespan"] <= tight["1f1b"]["makespan"] * (1 + 1e-9)
+    assert auto["add"] == ["--pipeline-schedule", "zb-auto"]  # auto is training's default limit
+
+
 # GPT-3's pipeline plans 192 microbatches on 16 stages for each of ten schedules: 10-25 s
 @pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "gpt3-175b" else name
                                   for name in sorted(FULL)])

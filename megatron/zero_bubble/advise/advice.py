@@ -12,10 +12,11 @@ from typing import Callable
 
 from ..schedules.costs import Costs
 from ..schedules.held_memory import held_memory_profile
-from ..schedules.planners import PlanRequest, layout_of, plan_with_timeline
+from ..schedules.memory import DEVICE_MEMORY_SHARE
+from ..schedules.planners import MemoryLimit, PlanRequest, layout_of, plan_with_timeline
 from ..schedules.schedule import ScheduleError
 from .activations import pipeline_tensor_bytes
-from .candidates import Candidate, Change, command_line, refusal
+from .candidates import GPU_MEMORY, Candidate, Change, command_line, refusal
 from .parameters import ModelState, ends_per_rank, model_state, rank_params
 from .run import Run
 
@@ -81,25 +82,42 @@ class Advice:
         return min(fitting, key=lambda p: (round(p.makespan, 9), p.peak)) if fitting else None
 
 
-def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float = 0.0) -> Prediction:
-    """Plan `candidate` on `costs` (of its layout) and predict its time and memory."""
+def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float = 0.0,
+            gpu_memory: float | None = None) -> Prediction:
+    """Plan `candidate` on `costs` (of its layout) and predict its time and memory; a candidate whose limit is
+    GPU_MEMORY plans each rank under the share of `gpu_memory` its model state leaves, as training's automatic limit
+    plans under the free device memory."""
     layout = run.layout
+    counts = layout.placement.counts(layout.pp, candidate.chunks)
+    placement = layout_of(candidate.planner, candidate.chunks)
+    ends = ends_per_rank(run, counts, placement)
+    params = rank_params(run, counts, placement)
+    state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
+    limit = candidate.memory_limit
+    if limit == GPU_MEMORY:
+        limit = _room_per_rank(state, gpu_memory)
     request = PlanRequest(stages=layout.pp, microbatches=layout.microbatches, costs=costs, chunks=candidate.chunks,
-                          memory_limit=candidate.memory_limit, ilp_time_limit=ilp_time_limit)
+                          memory_limit=limit, ilp_time_limit=ilp_time_limit)
     schedule, timeline = plan_with_timeline(candidate.planner, request)
     costs = Costs.from_dict(schedule.info["costs"])  # with the output layer's W in B where the planner kept it there
     # as in the first call: what a later call's baseline still holds of the previous one is not counted twice
     held = held_memory_profile(schedule, costs, pipeline_tensor_bytes(run), after_a_call=False)
-    counts = layout.placement.counts(layout.pp, candidate.chunks)
-    ends = ends_per_rank(run, counts, schedule.layout)
-    params = rank_params(run, counts, schedule.layout)
-    state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
     return Prediction(candidate=candidate, change=command_line(run, candidate), bubble_rate=timeline.bubble_rate,
                       makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
                       activations=tuple(max(rank, default=0.0) for rank in held),
                       busy=tuple(sum(t.end - t.start for t in rank) for rank in timeline.ranks),
                       held_per_microbatch=(_median(costs.m_f), _median(costs.m_w)),
                       wgrad_in_b=tuple(schedule.info.get("wgrad_in_b", ())))
+
+
+def _room_per_rank(state: tuple[ModelState, ...], gpu_memory: float | None) -> MemoryLimit:
+    """Each rank's activation limit in bytes: the automatic limit's share of what its model state leaves."""
+    room = [DEVICE_MEMORY_SHARE * (gpu_memory - rank.total) for rank in state] if gpu_memory else []
+    if not room or min(room) <= 0:
+        worst = max(range(len(state)), key=lambda r: state[r].total)
+        raise ScheduleError(f"the model state of pipeline rank {worst} ({state[worst].total / GIB:.1f} GiB) leaves "
+                            f"no room for activations in --gpu-memory")
+    return MemoryLimit.per_rank_amounts(room)
 
 
 def _median(values) -> float:
@@ -120,7 +138,7 @@ def advise(run: Run, parser, candidates: list[Candidate], costs_for: Callable[[l
             if progress is not None:
                 progress(f"planning {candidate.label} (p={run.layout.pp}, m={run.layout.microbatches})")
             try:
-                predictions.append(predict(run, candidate, costs_for(counts), ilp_time_limit))
+                predictions.append(predict(run, candidate, costs_for(counts), ilp_time_limit, gpu_memory))
                 continue
             except ScheduleError as error:
                 reason = str(error)

@@ -37,13 +37,17 @@ class Candidate:
     label: str
     planner: str  # the planning registry's name
     chunks: int
-    # in-flight microbatches, or a multiple of the largest activation memory a rank holds under 1F1B (MemoryLimit);
-    # None: the schedule's own
-    memory_limit: float | MemoryLimit | None
+    # in-flight microbatches, or a multiple of the largest activation memory a rank holds under 1F1B (MemoryLimit),
+    # or GPU_MEMORY (what each rank's model state leaves of --gpu-memory); None: the schedule's own
+    memory_limit: float | MemoryLimit | str | None
     flags: tuple[str, ...]  # what asks pretrain_gpt.py for it (beside the chunk flag, see `command_line`)
     megatron: bool = False  # megatron's own schedule (no zero-bubble flag)
     aim: float | None = None  # the most time over 1F1B's it is meant to take (the V family's memory-saving rows)
 
+
+# A candidate's limit that is the GPU's own: each rank plans under what its model state leaves of --gpu-memory, as
+# training's --zero-bubble-max-pending-backward auto plans under the free device memory
+GPU_MEMORY = "gpu"
 
 # What the controllable-memory paper has the V family's memory-saving members at: V-Half no slower than 1F1B,
 # V-Min close to it (within 10%)
@@ -64,6 +68,7 @@ def candidates(run: Run) -> list[Candidate]:
                   auto + ("--zero-bubble-max-pending-backward", "1x")),
         Candidate("zb-auto (2x 1F1B memory)", "zb-auto", 1, MemoryLimit.of_1f1b_peak(2.0),
                   auto + ("--zero-bubble-max-pending-backward", "2x")),
+        Candidate("zb-auto (auto: GPU memory)", "zb-auto", 1, GPU_MEMORY, auto),
         Candidate(f"zb-auto ({v} chunks)", "zb-auto", v, None, auto),
         Candidate("zb-v", "zb-v", 2, mem_setup_limit("zb", p), zb_v),
         Candidate("zb-v (V-Half memory)", "zb-v", 2, mem_setup_limit("half", p),

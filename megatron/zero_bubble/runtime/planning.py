@@ -12,14 +12,13 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..schedules.costs import TIME_UNITS, Costs
-from ..schedules.memory import rank_memory_limits
+from ..schedules.memory import DEVICE_MEMORY_SHARE, rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
 from ..schedules.problem import MemoryLimit
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 from .memory_report import memory_record
 
-DEVICE_MEMORY_SHARE = 0.9  # default share of free device memory the automatic limit lets activations take
 
 
 @dataclass(frozen=True)
@@ -133,12 +132,14 @@ class RankZeroPlanner:
         except ScheduleError as error:
             memory = memory_record(previous, costs, reports, None, s.timers_end_iter) if previous else None
             return PlanDecision(error=f"zero-bubble: could not plan {s.schedule} for m={m} ({error})", memory=memory)
-        of_1f1b = limit.amount if isinstance(limit, MemoryLimit) else None  # checked by the planner, in bytes
+        of_1f1b = limit.amount if isinstance(limit, MemoryLimit) and limit.of_1f1b else None  # checked by the planner
+        per_rank = list(limit.ranks) if isinstance(limit, MemoryLimit) and limit.ranks else None  # in bytes
         if schedule.info.get("wgrad_in_b") and (cost_aware or previous is None):  # planned now, with the output
             # layer's W in B: on the costs that say so
             costs = Costs.from_dict(schedule.info["costs"])
-        schedule.info.update(costs=costs.to_dict(), memory_limit=None if of_1f1b else limit, costs_from=source,
-                             **({"memory_limit_of_1f1b": of_1f1b} if of_1f1b else {}))
+        schedule.info.update(costs=costs.to_dict(), memory_limit=None if of_1f1b or per_rank else limit,
+                             costs_from=source, **({"memory_limit_of_1f1b": of_1f1b} if of_1f1b else {}),
+                             **({"memory_limit_bytes_per_rank": per_rank} if per_rank else {}))
         memory = None
         if previous is not None:
             schedule.info["previous_bubble_rate"] = validate(previous, costs).bubble_rate
@@ -152,18 +153,25 @@ class RankZeroPlanner:
         self.costs = Costs.from_dict(schedule.info["costs"])
 
     def memory_limit(self, costs: Costs, gathered: list[dict]) -> float | MemoryLimit | None:
-        """The limit in microbatches (or the flag's multiple of 1F1B's peak): the flag's, else (GPU) what the free
-        device memory holds, at most the planner's default, else None (the planner's default, planners.SCHEDULES)."""
+        """The flag's limit (microbatches, or a multiple of 1F1B's peak), else (GPU) bytes per pipeline rank: a share
+        of the least free device memory of its GPUs, at most the planner's default amount of that rank's
+        microbatches and at least one; else None (the planner's default, planners.SCHEDULES)."""
         s = self.settings
         if s.memory_limit is not None:
             return s.memory_limit
-        free = [facts["free_bytes"] for facts in gathered if "free_bytes" in facts]
-        if not free or costs.memory_unit != "bytes":
+        free = [None] * s.stages
+        for facts in gathered:
+            if "free_bytes" in facts:
+                rank = facts["pp_rank"]
+                free[rank] = facts["free_bytes"] if free[rank] is None else min(free[rank], facts["free_bytes"])
+        if any(amount is None for amount in free) or costs.memory_unit != "bytes":
             return None
         one_microbatch = rank_memory_limits(s.stages, s.chunks, self.layout, costs, microbatches=1)
         default = default_memory_limit(s.schedule, s.stages)
-        fits = math.floor(s.device_memory_share * min(free) / max(max(one_microbatch), 1.0))
-        if fits < 1:  # planning goes on with one microbatch in flight, but say that it may not fit
-            self.log(f"zero-bubble: free device memory ({min(free) / 2**30:.3g} GiB) holds less than one "
-                     f"microbatch's activations; planning with --zero-bubble-max-pending-backward 1")
-        return float(max(1, min(default, fits)))
+        room = [s.device_memory_share * amount for amount in free]
+        short = [rank for rank in range(s.stages) if room[rank] < one_microbatch[rank]]
+        if short:  # planning goes on with one microbatch in flight there, but say that it may not fit
+            self.log(f"zero-bubble: free device memory on pipeline rank {short[0]} ({free[short[0]] / 2**30:.3g} GiB) "
+                     f"holds less than one microbatch's activations; planning with one there")
+        return MemoryLimit.per_rank_amounts([max(one, min(default * one, share))
+                                             for one, share in zip(one_microbatch, room)])

@@ -132,12 +132,12 @@ class ReplanningPipeline:
             self.schedules[num_microbatches] = schedule
         return schedule
 
-    @staticmethod
-    def _local_facts(**extra) -> dict:
+    def _local_facts(self, **extra) -> dict:
         facts = dict(extra)
         if current_device().type == "cuda":
             free, _ = torch.cuda.mem_get_info()
             facts["free_bytes"] = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            facts["pp_rank"] = self.megatron.default_pg_collection().pp.rank()
         return facts
 
     def _agree(self, m: int, facts: dict, previous: Schedule | None) -> tuple[Schedule, dict | None]:
@@ -165,6 +165,9 @@ class ReplanningPipeline:
         where += f", memory limit {limit:g} microbatches" if limit is not None else ""
         if info.get("memory_limit_of_1f1b") is not None:
             where += f", memory limit {info['memory_limit_of_1f1b']:g}x 1F1B's peak"
+        if info.get("memory_limit_bytes_per_rank") is not None:
+            where += (", memory limit " + " / ".join(f"{amount / 2**30:.3g}" for amount in info["memory_limit_bytes_per_rank"])
+                      + " GiB per rank (free device memory)")
         if info.get("wgrad_in_b"):
             where += f", W of {', '.join(info['wgrad_in_b'])} kept in B"
         rate = info["predicted"]["bubble_rate"]

@@ -10,6 +10,10 @@ from .ops import facts
 from .problem import MemoryLimit
 from .schedule import Schedule
 
+# The share of a GPU's free memory the automatic limit lets activations take (the rest absorbs what the plan does not
+# count: transients inside passes, pipeline tensors); training's --zero-bubble-max-pending-backward auto and advise
+DEVICE_MEMORY_SHARE = 0.9
+
 
 def memory_profile(schedule: Schedule, costs: Costs) -> list[list[float]]:
     """Per rank, activation memory held after each pass (depends on order only, not on timing)."""

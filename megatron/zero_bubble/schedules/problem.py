@@ -19,7 +19,8 @@ class MemoryLimit:
 
     In-flight microbatches (the default): multiples of each rank's own one-microbatch activations M_B, the
     unit users think in (p = ZB-1p, 2p = ZB-2p). Absolute: the costs' memory unit (bytes when the costs
-    carry bytes), the same amount on every rank. Of 1F1B (`of_1f1b`): multiples of the largest activation memory
+    carry bytes), the same amount on every rank, or one of its own for each (`ranks`: what each GPU has room for
+    beside its model state). Of 1F1B (`of_1f1b`): multiples of the largest activation memory
     any rank holds under 1F1B on the same costs, on every rank ("1x": no rank holds more than 1F1B's fullest; where
     the last stage's microbatch is larger, p M_B is not that); the planner resolves it into an absolute amount
     (`resolved`).
@@ -28,6 +29,7 @@ class MemoryLimit:
     amount: float
     absolute: bool = False
     of_1f1b: bool = False
+    ranks: tuple[float, ...] | None = None  # absolute, one amount per pipeline rank (`per_rank_amounts`)
 
     @classmethod
     def of(cls, microbatches: MemoryLimit | float | None = None, absolute: float | None = None) -> MemoryLimit | None:
@@ -40,6 +42,14 @@ class MemoryLimit:
         if absolute is not None:
             return cls(absolute, absolute=True)
         return None if microbatches is None else cls(microbatches)
+
+    @classmethod
+    def per_rank_amounts(cls, amounts) -> MemoryLimit:
+        """An absolute limit of its own for each pipeline rank (bytes: what each GPU has room for)."""
+        amounts = tuple(float(a) for a in amounts)
+        if not amounts or min(amounts) <= 0:
+            raise ScheduleError(f"per-rank memory limits must be positive, got {list(amounts)}")
+        return cls(max(amounts), absolute=True, ranks=amounts)
 
     @classmethod
     def of_1f1b_peak(cls, multiple: float) -> MemoryLimit:
@@ -66,6 +76,10 @@ class MemoryLimit:
         """Each rank's limit in the costs' unit."""
         if self.of_1f1b:
             raise ScheduleError("a memory limit relative to 1F1B's peak must be resolved by the planner first")
+        if self.ranks is not None:
+            if len(self.ranks) != stages:
+                raise ScheduleError(f"per-rank memory limits for {len(self.ranks)} ranks, the pipeline has {stages}")
+            return list(self.ranks)
         if self.absolute:
             return [float(self.amount)] * stages
         # Checked here, where it is applied, as every caller reports planning errors from here on.
@@ -79,11 +93,14 @@ class MemoryLimit:
     def to_info(self) -> dict:
         """The two keys a schedule's JSON has always carried for its limit."""
         return {"memory_limit": None if self.absolute else self.amount,
-                "memory_limit_absolute": self.amount if self.absolute else None}
+                "memory_limit_absolute": self.amount if self.absolute else None,
+                **({"memory_limit_per_rank": list(self.ranks)} if self.ranks is not None else {})}
 
     def describe(self) -> str:
         if self.of_1f1b:
             return f"{self.amount:g}x 1F1B's peak"
+        if self.ranks is not None:
+            return "per rank " + ", ".join(f"{amount:.4g}" for amount in self.ranks) + " (absolute)"
         return f"{self.amount:g}" + ("" if not self.absolute else " (absolute)")
 
 

@@ -81,8 +81,9 @@ class Timeline:
 
     @property
     def bubble_time(self) -> float:
-        """Paper's measure: longest per-rank span (own first to own last pass) minus the busiest rank's work."""
-        return self._longest_span - max(self._busy)
+        """Paper's measure: longest per-rank span (own first to own last pass) minus the busiest rank's work (never
+        below 0: a rank busy all its span can sum its passes a rounding error above its span)."""
+        return max(0.0, self._longest_span - max(self._busy))
 
     @property
     def bubble_rate(self) -> float:
