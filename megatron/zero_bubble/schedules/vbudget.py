@@ -266,7 +266,21 @@ class _Planner:
             for candidate in self.at(level):
                 if best is None or candidate.score < best[0].score:
                     best = (candidate, level)
-        return best
+        return self._no_slower_than_the_paper(best, limits)
+
+    def _no_slower_than_the_paper(self, best, limits: list[float]):
+        """The paper's ZB-V order itself where it fits `limits` and beats `best` (by the planner's measure, the bubble
+        then the makespan): the ladder's levels are whole steps, and a budget between two of them that holds ZB-V's
+        own peaks must not get a worse plan."""
+        self._paper()
+        if any(peak > limit * (1 + _EPS) + _EPS for peak, limit in zip(self._paper_peaks, limits)):
+            return best
+        timeline = simulate(self._paper_v, self.costs)
+        score = (round(timeline.bubble_rate, 12), round(timeline.makespan, 9))
+        if best is not None and best[0].score <= score:
+            return best
+        level = max(peak / mb for peak, mb in zip(self._paper_peaks, self.rank_mb))
+        return _Candidate(self._paper_v.ranks, {"order": "the paper's ZB-V"}, score), level
 
 
 def _costs_for(name: str, stages: int, microbatches: int, costs: Costs | None) -> Costs:
