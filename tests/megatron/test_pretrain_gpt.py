@@ -195,6 +195,11 @@ def test_after_the_timer_window_the_log_shows_the_replanned_schedule_and_the_dum
     assert [(kind, schedule) for kind, schedule, _ in lines] == [("running", name), ("re-planned", name)]
     # timers 2..4 in megatron's counter: logged iterations 3-4 measured, the new schedule from logged 5 on
     assert "running it from iteration 5" in runs[run] and "measured in iterations 3-4" in runs[run]
+    # the first iteration under the re-planned schedule reads the allocator too: what each rank held, against the plan
+    after = re.search(r"activation memory per rank in iteration 5, the first under the re-planned schedule: measured "
+                      r"([0-9., ]+) MiB, planned ([0-9., ]+) MiB", runs[run])
+    stages = runs.definitions[run].nproc  # one GPU per pipeline rank in these runs
+    assert after and all(len(group.split(", ")) == stages for group in after.groups()), runs[run][-3000:]
     files = sorted(os.listdir(os.path.join(work_dir, dump)))
     assert files == [f"{name}-m8-initial.json", f"{name}-m8-initial.png", f"{name}-m8-iter5.json",
                      f"{name}-m8-iter5.png", f"{name}-m8-measured-iter4.trace.json"]

@@ -8,7 +8,8 @@ its program keeps) and its activations alone, and the prediction for the re-plan
 into the re-planned schedule's JSON (info["memory"]); `describe_memory` is the log line. The record also has each
 rank's model state (the tensors alive as the call started: weights, gradient buffers, optimizer state, megatron's
 buffers; memory_probe.py) and its peak, the model state plus the most held after a pass
-(`describe_memory_per_device`): what `zb-schedule advise` predicts per GPU.
+(`describe_memory_per_device`): what `zb-schedule advise` predicts per GPU. The first iteration under the re-planned
+schedule reads the allocator too, and rank 0 says what it held against that prediction (`describe_replanned_memory`).
 """
 from __future__ import annotations
 
@@ -73,6 +74,13 @@ def describe_memory_per_device(record: dict) -> str:
 
 def _mib(values) -> str:
     return ", ".join("-" if v is None else f"{v / MIB:.3g}" for v in values) + " MiB"
+
+
+def describe_replanned_memory(iteration: int, measured: list, planned: list) -> str:
+    """One log line: what each pipeline rank held in the first iteration under the re-planned schedule, against the
+    re-plan's prediction (pipeline tensors included)."""
+    return (f"zero-bubble: activation memory per rank in iteration {iteration}, the first under the re-planned "
+            f"schedule: measured {_mib(measured)}, planned {_mib(planned)}")
 
 
 def describe_memory(record: dict) -> str:

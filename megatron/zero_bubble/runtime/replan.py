@@ -41,7 +41,7 @@ from ..schedules.validate import validate
 from .agreement import agree, schedule_of
 from .executor import PipelineExecutor
 from .memory_probe import MemoryProbe
-from .memory_report import describe_memory, describe_memory_per_device
+from .memory_report import describe_memory, describe_memory_per_device, describe_replanned_memory
 from .p2p import current_device
 from .planning import PlanSettings, RankZeroPlanner, describe_costs
 from .profiling import Profiler, measure_p2p_seconds
@@ -67,6 +67,9 @@ class ReplanningPipeline:
         self._call_start, self._measured = 0.0, []  # the timed call's start and its passes (pass, start, end)
         self._announced: set[int] = set()
         self._window_placed = False  # the timer window counted from the first training call's iteration
+        # after a re-plan with memory figures: (the logged iteration it runs from, its planned bytes per rank), so
+        # that the first call under it reads the allocator too and says what it held against that plan
+        self._memory_after_replan: tuple[int, list] | None = None
 
     @property
     def layout(self) -> str:
@@ -98,8 +101,11 @@ class ReplanningPipeline:
             kwargs["forward_step_func"] = self.profiler.forward_step(kwargs["forward_step_func"], kwargs["model"])
         if timing:  # this iteration's passes, from the start of this call (the last one is dumped)
             self._call_start, self._measured = time.perf_counter(), []
+        checking = training and not timing and self._memory_after_replan is not None
         result = self.executor(**kwargs, pass_observer=self._record_pass if timing else None,
-                               memory_probe=self.memory_probe if timing else None)
+                               memory_probe=self.memory_probe if timing or checking else None)
+        if checking:
+            self._check_replanned_memory(kwargs)
         if timing:
             self.profiler.end_iteration(self.executor.last_stats)
             if iteration == s.timers_end_iter - 1:
@@ -226,6 +232,23 @@ class ReplanningPipeline:
         if schedule is not previous:
             self.schedules[m] = schedule
             self._report(schedule, str(first_logged))
+            if memory is not None and memory.get("replanned_bytes") is not None:
+                self._memory_after_replan = (first_logged, memory["replanned_bytes"])
+
+    def _check_replanned_memory(self, call_kwargs: dict) -> None:
+        """The first call under a re-planned schedule: every rank's measured peak to rank 0, which says it beside
+        the plan's prediction (one gather, made by every rank at the same call)."""
+        logged, planned = self._memory_after_replan
+        self._memory_after_replan = None
+        pg = call_kwargs.get("pg_collection") or self.megatron.default_pg_collection()
+        held = self.executor.last_stats.memory
+        mine = {"pp_rank": pg.pp.rank(), "held_peak_bytes": None if held is None else held.peak}
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            measured = [max((g["held_peak_bytes"] for g in gathered if g["pp_rank"] == rank
+                             and g["held_peak_bytes"] is not None), default=None) for rank in range(len(planned))]
+            self.log(describe_replanned_memory(logged, measured, planned))
 
     def _dump_measured(self, ran: Schedule, costs: Costs, pp_rank: int, logged_iteration: int,
                        memory: dict | None = None) -> None:
