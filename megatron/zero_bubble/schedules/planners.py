@@ -239,8 +239,13 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     request = resolve(name, request)
     in_b = request.head_wgrad == "in-b" and kind.split_backward
     if request.head_wgrad == "auto" and kind.split_backward and kind.cost_aware and request.costs.head_wgrad_known:
-        return _faster(lambda: _built(kind, request),
-                       lambda: _built(kind, replace(request, costs=request.costs.head_wgrad_in_b()), in_b=True))
+        kept = replace(request, costs=request.costs.head_wgrad_in_b())
+        if not (kind.ilp and request.ilp_time_limit > 0):
+            return _faster(lambda: _built(kind, request), lambda: _built(kind, kept, in_b=True))
+        # weighed on the heuristic's plans; the ILP refines only the one kept (its time limit is spent once)
+        quick = _faster(lambda: _built(kind, replace(request, ilp_time_limit=0)),
+                        lambda: _built(kind, replace(kept, ilp_time_limit=0), in_b=True))
+        return _built(kind, kept, in_b=True) if quick[0].info.get("wgrad_in_b") else _built(kind, request)
     if in_b:
         request = replace(request, costs=request.costs.head_wgrad_in_b())
     return _built(kind, request, in_b)
