@@ -186,10 +186,14 @@ MEMORY_LINE = re.compile(r"zero-bubble: activation memory per rank in iteration 
                          r"planned ([0-9., ]+) MiB$")
 
 
+AFTER_LINE = re.compile(r"zero-bubble: activation memory per rank in iteration (\d+), the first under the re-planned "
+                        r"schedule: measured ([0-9., ]+) MiB, planned ([0-9., ]+) MiB$")
+
+
 def test_re_planning_logs_measured_and_planned_memory_and_dumps_both(reports):
     runs = reports["replan/zb-auto"]
     lines = [line for line in runs[0]["lines"] if line.startswith("zero-bubble: activation memory")]
-    assert len(lines) == 1 and all(r["lines"] == runs[0]["lines"] for r in runs)
+    assert len(lines) == 2 and all(r["lines"] == runs[0]["lines"] for r in runs)
     match = MEMORY_LINE.match(lines[0])
     assert match, lines[0]
     assert int(match.group(1)) == REPLAN_WINDOW[1]  # megatron's log numbers its counter i as i+1
@@ -201,9 +205,15 @@ def test_re_planning_logs_measured_and_planned_memory_and_dumps_both(reports):
     assert record["pipeline_tensor_bytes"] == PIPELINE_TENSOR_BYTES and record["outputs_freed_when_sent"]
     for measured, planned in zip(record["measured_bytes"], record["planned_bytes"]):
         assert abs(measured - planned) <= 0.1 * planned
+    # the first iteration under the re-planned schedule, against the re-plan's prediction
+    after = AFTER_LINE.match(lines[1])
+    assert after and int(after.group(1)) == REPLAN_WINDOW[1] + 1, lines[1]
+    assert after.group(3) == match.group(4)  # the prediction the re-plan logged
+    for measured, planned in zip(*(map(float, after.group(k).split(",")) for k in (2, 3))):
+        assert abs(measured - planned) <= 0.1 * planned
 
 
-def test_the_allocator_is_read_only_in_the_timer_window(reports):
+def test_the_allocator_is_read_only_in_the_timer_window_and_the_first_iteration_after_it(reports):
     for run in reports["replan/zb-auto"]:
-        assert run["probed"] == [REPLAN_WINDOW[0] <= i < REPLAN_WINDOW[1] for i in range(REPLAN_WINDOW[1] + 1)]
+        assert run["probed"] == [REPLAN_WINDOW[0] <= i <= REPLAN_WINDOW[1] for i in range(REPLAN_WINDOW[1] + 1)]
 

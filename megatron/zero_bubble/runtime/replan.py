@@ -236,19 +236,18 @@ class ReplanningPipeline:
                 self._memory_after_replan = (first_logged, memory["replanned_bytes"])
 
     def _check_replanned_memory(self, call_kwargs: dict) -> None:
-        """The first call under a re-planned schedule: every rank's measured peak to rank 0, which says it beside
-        the plan's prediction (one gather, made by every rank at the same call)."""
+        """The first call under a re-planned schedule: every rank's measured peak to every rank (one all-gather, made
+        by every rank at the same call), said beside the plan's prediction (the caller prints global rank 0's)."""
         logged, planned = self._memory_after_replan
         self._memory_after_replan = None
         pg = call_kwargs.get("pg_collection") or self.megatron.default_pg_collection()
         held = self.executor.last_stats.memory
         mine = {"pp_rank": pg.pp.rank(), "held_peak_bytes": None if held is None else held.peak}
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if gathered is not None:
-            measured = [max((g["held_peak_bytes"] for g in gathered if g["pp_rank"] == rank
-                             and g["held_peak_bytes"] is not None), default=None) for rank in range(len(planned))]
-            self.log(describe_replanned_memory(logged, measured, planned))
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        measured = [max((g["held_peak_bytes"] for g in gathered if g["pp_rank"] == rank
+                         and g["held_peak_bytes"] is not None), default=None) for rank in range(len(planned))]
+        self.log(describe_replanned_memory(logged, measured, planned))
 
     def _dump_measured(self, ran: Schedule, costs: Costs, pp_rank: int, logged_iteration: int,
                        memory: dict | None = None) -> None:
