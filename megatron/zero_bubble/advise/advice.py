@@ -13,7 +13,7 @@ from typing import Callable
 from ..schedules.costs import Costs
 from ..schedules.held_memory import held_memory_profile
 from ..schedules.memory import DEVICE_MEMORY_SHARE
-from ..schedules.planners import MemoryLimit, PlanRequest, layout_of, plan_with_timeline
+from ..schedules.planners import MemoryLimit, PlanRequest, default_memory_limit, layout_of, plan_with_timeline
 from ..schedules.schedule import ScheduleError
 from .activations import pipeline_tensor_bytes
 from .candidates import GPU_MEMORY, Candidate, Change, command_line, refusal
@@ -95,7 +95,9 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
     state = tuple(model_state(run, rank, *end) for rank, end in zip(params, ends))
     limit = candidate.memory_limit
     if limit == GPU_MEMORY:
-        limit = _room_per_rank(state, gpu_memory)
+        default = default_memory_limit(candidate.planner, layout.pp, candidate.chunks, layout.microbatches)
+        cap = MemoryLimit(default).per_rank(layout.pp, candidate.chunks, placement, costs)
+        limit = _room_per_rank(state, gpu_memory, cap)
     request = PlanRequest(stages=layout.pp, microbatches=layout.microbatches, costs=costs, chunks=candidate.chunks,
                           memory_limit=limit, ilp_time_limit=ilp_time_limit)
     schedule, timeline = plan_with_timeline(candidate.planner, request)
@@ -110,9 +112,11 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
                       wgrad_in_b=tuple(schedule.info.get("wgrad_in_b", ())))
 
 
-def _room_per_rank(state: tuple[ModelState, ...], gpu_memory: float | None) -> MemoryLimit:
-    """Each rank's activation limit in bytes: the automatic limit's share of what its model state leaves."""
-    room = [DEVICE_MEMORY_SHARE * (gpu_memory - rank.total) for rank in state] if gpu_memory else []
+def _room_per_rank(state: tuple[ModelState, ...], gpu_memory: float | None, cap: list[float]) -> MemoryLimit:
+    """Each rank's activation limit in bytes, as training's automatic limit sets it: a share of what its model state
+    leaves, at most the planner's default (`cap`, bytes per rank)."""
+    room = [min(DEVICE_MEMORY_SHARE * (gpu_memory - rank.total), most)
+            for rank, most in zip(state, cap)] if gpu_memory else []
     if not room or min(room) <= 0:
         worst = max(range(len(state)), key=lambda r: state[r].total)
         raise ScheduleError(f"the model state of pipeline rank {worst} ({state[worst].total / GIB:.1f} GiB) leaves "
