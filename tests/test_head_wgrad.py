@@ -109,11 +109,11 @@ def _measured(costs: Costs) -> list[dict]:
 def test_re_planning_on_measured_costs_weighs_it_too_and_never_moves_it_twice():
     """Passes are timed whole: the output layer's share of the measured W comes from the estimate. A run that kept
     the W in B measured it inside B: its re-plan keeps it there and takes the measured costs as they are."""
-    from megatron.zero_bubble.runtime.planning import PlanSettings, RankZeroPlanner, with_head_share
+    from megatron.zero_bubble.runtime.planning import PlanSettings, RankZeroPlanner, with_wgrad_shares
     from megatron.zero_bubble.schedules.schedule import Schedule
 
     plain = replace(HEAVY_HEAD, head_t_w=0.0, head_m_w=0.0)
-    shared = with_head_share(replace(plain, t_w=(2, 2, 2, 2.4), m_w=(1, 1, 1, 5.0)), HEAVY_HEAD)
+    shared = with_wgrad_shares(replace(plain, t_w=(2, 2, 2, 2.4), m_w=(1, 1, 1, 5.0)), HEAVY_HEAD)
     assert shared.head_t_w == pytest.approx(0.4) and shared.head_m_w == pytest.approx(4.0)
     settings = PlanSettings(schedule="zb-auto", stages=4, chunks=1, memory_limit=4.0, ilp_time_limit=0,
                             timers_start_iter=0, timers_end_iter=1, initial_costs=HEAVY_HEAD)
@@ -128,3 +128,31 @@ def test_re_planning_on_measured_costs_weighs_it_too_and_never_moves_it_twice():
     after_kept = Schedule.from_json(planner.decide(12, _measured(kept), after_deferred).schedule_json)
     assert after_kept.info["wgrad_in_b"] == ["output_layer"]
     assert Costs.from_dict(after_kept.info["costs"]).t_b == kept.t_b  # not moved a second time
+
+
+def test_the_row_parallel_layers_share_of_a_gpt_layers_w_and_their_choice():
+    """Attention's output projection and the MLP's second layer: 10 of a GPT layer's 24 sbh^2 W FLOPs and 14 of its
+    32 sbh bytes of M_W (their inputs, h and 4h, and full-width output gradients). Where M_W outweighs M_F (the output
+    gradients are not split over tensor-parallel ranks), the V planner keeps their W in B: its memory then defers
+    the rest."""
+    costs = Costs.from_model(layers=8, hidden=64, heads=4, seq_length=32, micro_batch=2, vocab=128,
+                             num_virtual_stages=4)
+    head = (costs.head_t_w, costs.head_m_w)
+    for v in range(4):
+        layers_t = costs.t_w[v] - (head[0] if v == 3 else 0)
+        layers_m = costs.m_w[v] - (head[1] if v == 3 else 0)
+        assert costs.row_t_w[v] == pytest.approx(10 / 24 * layers_t)
+        assert costs.row_m_w[v] == pytest.approx(14 / 32 * layers_m)
+    kept = costs.rows_wgrad_in_b()
+    assert kept.t_b == pytest.approx(tuple(b + r for b, r in zip(costs.t_b, costs.row_t_w)))
+    assert not kept.rows_wgrad_known and kept.head_t_w == costs.head_t_w  # the output layer's choice is its own
+    p, m = 4, 16
+    wide = replace(Costs.make(2 * p, t_f=1.0, t_b=1.1, t_w=0.9, m_f=1.0, m_w=1.7, chunks=2),
+                   row_t_w=(0.32,) * 2 * p, row_m_w=(1.1,) * 2 * p)
+
+    def v_half(rows):
+        return plan_with_timeline("v-half", PlanRequest(stages=p, microbatches=m, costs=wide, rows_wgrad=rows))
+
+    auto, deferred = v_half("auto"), v_half("deferred")
+    assert auto[0].info["wgrad_in_b"] == ["linear_proj", "linear_fc2"] and "wgrad_in_b" not in deferred[0].info
+    assert auto[1].makespan < deferred[1].makespan * 0.95

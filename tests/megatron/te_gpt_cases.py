@@ -48,14 +48,16 @@ class Case:
     slow_wgrad_s: float = 0.0  # > 0: every weight-gradient GEMM of TE takes this much longer; passes are timed
     fp8: str | None = None  # megatron's --fp8-recipe (with --fp8-format hybrid); None: no FP8
     check: bool = False  # the split check before the first iteration (split_check.py)
+    keep_in_b: bool = False  # the plan keeps the output layer's and the row-parallel layers' W inside B
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(name, stages, microbatches, post_validation):
+def _plan(name, stages, microbatches, post_validation, keep_in_b=False):
     from megatron.zero_bubble.schedules.planners import PlanRequest, plan
 
+    where = "in-b" if keep_in_b else "auto"
     return plan(name, PlanRequest(stages=stages, microbatches=microbatches, ilp_time_limit=0,
-                                  post_validation=post_validation))
+                                  head_wgrad=where, rows_wgrad=where, post_validation=post_validation))
 
 
 def _run_case(case: Case) -> dict:
@@ -63,7 +65,7 @@ def _run_case(case: Case) -> dict:
 
     plans = None
     if case.schedule is not None:
-        plans = lambda m: _plan(case.schedule, case.layout.pp, m, case.post_validation)  # noqa: E731
+        plans = lambda m: _plan(case.schedule, case.layout.pp, m, case.post_validation, case.keep_in_b)  # noqa: E731
     v_stages = case.layout.pp if case.schedule == "zb-v" else None
     if v_stages is not None:
         process_groups.destroy_parallel_state()
@@ -72,7 +74,11 @@ def _run_case(case: Case) -> dict:
                            split_check=case.check, log=lines.append) as session:
         report = _train(case, session)
         check = session.executor.split_check if session.executor is not None else None
-        return {**report, "lines": lines, "checked": check.results if check is not None else None}
+        from megatron.core import parallel_state
+
+        kept = [store.kept_in_b for store in session.executor.stores] if session.executor is not None else []
+        return {**report, "lines": lines, "checked": check.results if check is not None else None, "kept_in_b": kept,
+                "pp_rank": parallel_state.get_pipeline_model_parallel_rank()}
 
 
 def _train(case: Case, session) -> dict:
@@ -161,7 +167,8 @@ CASES = [
     Case("pp2xdp2/megatron", Layout(pp=2), None),
     *[Case(f"pp2xdp2/{s}", Layout(pp=2), s) for s in ("zb-h1", "zb-h2", "zb-auto")],
     Case("pp2xdp2/megatron/overlap", Layout(pp=2), None, overlap=True),
-    Case("pp2xdp2/zb-auto/overlap", Layout(pp=2), "zb-auto", overlap=True),
+    # with the output layer's and the row-parallel layers' W kept inside B
+    Case("pp2xdp2/zb-auto/overlap", Layout(pp=2), "zb-auto", overlap=True, keep_in_b=True),
     Case("pp2xdp2/megatron/overlap/distributed", Layout(pp=2), None, overlap=True, distributed=True),
     Case("pp2xdp2/zb-h1/overlap/distributed", Layout(pp=2), "zb-h1", overlap=True, distributed=True),
     Case("pp2xdp2/megatron/moe", Layout(pp=2), None, spec=MOE),
@@ -201,6 +208,14 @@ def reports():
 def test_te_layers_split_by_the_runtime_match_megatrons_1f1b_bit_for_bit(reports, label, reference):
     harness.assert_identical(reports[label], reports[reference])
     assert all(r["split_weights"] > 0 for r in reports[label])  # TE's weights went through W
+
+
+def test_w_kept_inside_b_runs_in_b_on_te_layers_and_megatrons_output_layer(reports):
+    """The case above that keeps the output layer's and the row-parallel layers' W in B (its numbers are megatron's):
+    each rank's store holds its 2 layers' linear_proj and linear_fc2 (TE's queues run as each B ends), and the last
+    rank's the output layer too."""
+    for report in reports["pp2xdp2/zb-auto/overlap"]:
+        assert report["kept_in_b"] == [4 + (report["pp_rank"] == 1)], report["kept_in_b"]
 
 
 def test_zb_v_on_te_layers_matches_a_single_stage_run(reports):

@@ -139,10 +139,12 @@ CASES = [
          overlap=True, every_stage_buckets=True, clip_grad=0.0),
     Case("pp2xdp2/zb-v/overlap/distributed", Layout(pp=2, vpp=2), "zb-v", microbatches=4, optimizer="adam", steps=3,
          overlap=True, distributed=True, every_stage_buckets=True, clip_grad=0.0),
-    # the output layer's W kept inside B (on the last rank; in the V, on rank 0's second chunk)
+    # the output layer's W kept inside B (on the last rank; in the V, on rank 0's second chunk), and in the V the
+    # row-parallel layers' too (every chunk's linear_proj and linear_fc2)
     Case("pp2xdp2/zb-h1/overlap/head-in-b", Layout(pp=2), "zb-h1", microbatches=4, optimizer="adam", steps=3,
          overlap=True, every_stage_buckets=True, head_wgrad="in-b"),
-    Case("pp4/zb-v/head-in-b", Layout(pp=4, vpp=2), "zb-v", microbatches=8, spec=SPEC8, head_wgrad="in-b"),
+    Case("pp4/zb-v/head-in-b", Layout(pp=4, vpp=2), "zb-v", microbatches=8, spec=SPEC8, head_wgrad="in-b",
+         rows_wgrad="in-b"),
     # the same run planned on other costs: another pass order, the same numbers (clipping on: same layout)
     *[Case(f"pp4/{s}/adam{costs}", Layout(pp=4, vpp=2 if s == "zb-v" else None), s, microbatches=8,
            optimizer="adam", steps=2, spec=SPEC8 if s == "zb-v" else SPEC, costs=SKEWED_COSTS if costs else None)
@@ -337,19 +339,20 @@ def test_measured_pass_times_leave_out_the_wait_for_the_input(reports):
 
 @pytest.mark.exactness
 def test_the_output_layers_w_kept_in_b_is_bit_identical_and_holds_less_for_w(reports):
-    """A plan that keeps the output layer's W inside B (info["wgrad_in_b"]): the layer's store runs it as B ends, in
-    microbatch order, so losses, gradients and (with overlapped reduction and three Adam steps) parameters stay
-    megatron's; the stage with the output layer holds less for its W passes than with the W deferred."""
+    """A plan that keeps the output layer's W inside B (info["wgrad_in_b"]), and in the V the row-parallel layers'
+    too: the layers' stores run it as B ends, in microbatch order, so losses, gradients and (with overlapped reduction
+    and three Adam steps) parameters stay megatron's; the stage with the output layer holds less for its W passes
+    than with the W deferred."""
     plan = training_case.planned("zb-h1", 2, 4, head_wgrad="in-b")
     assert plan.info["wgrad_in_b"] == ["output_layer"]
     harness.assert_identical(reports["pp2xdp2/zb-h1/overlap/head-in-b"], reports["pp2xdp2/megatron/overlap"])
     harness.assert_identical(reports["pp4/zb-v/head-in-b"], reports["pp1/megatron/8"], replicas=[0])
-    for label, rank, chunk in (("pp2xdp2/zb-h1/overlap/head-in-b", 1, 0), ("pp4/zb-v/head-in-b", 0, 1)):
+    for label, rank, chunk, rows in (("pp2xdp2/zb-h1/overlap/head-in-b", 1, 0, 0), ("pp4/zb-v/head-in-b", 0, 1, 2)):
         deferred = label.replace("/head-in-b", "")
         for report in reports[label]:
-            kept = [0] * len(report["kept_in_b"])
+            kept = [rows] * len(report["kept_in_b"])  # the V's chunks hold one layer each: linear_proj, linear_fc2
             if report["pp_rank"] == rank:
-                kept[chunk] = 1
+                kept[chunk] += 1
             assert report["kept_in_b"] == kept, (label, report["pp_rank"])
         last = {r["dp_rank"]: r["stats"].peak_wgrad_bytes for r in reports[label] if r["pp_rank"] == rank}
         before = {r["dp_rank"]: r["stats"].peak_wgrad_bytes for r in reports[deferred] if r["pp_rank"] == rank}

@@ -49,6 +49,7 @@ class Case:
     dropout: float = 0.0  # hidden dropout
     per_token: bool = False  # --calculate-per-token-loss (gpt_forward_step_per_token): gradients divided by tokens
     head_wgrad: str = "auto"  # where the plan runs the output layer's W (PlanRequest.head_wgrad)
+    rows_wgrad: str = "auto"  # and the row-parallel layers' (PlanRequest.rows_wgrad)
 
     @property
     def megatron_optimizer(self) -> bool:
@@ -60,7 +61,7 @@ BUCKET_ELEMENTS = 12_000  # a few buckets per stage of the tiny model, so that t
 
 @functools.lru_cache(maxsize=None)
 def planned(name: str, stages: int, microbatches: int, costs: tuple | None = None, post_validation: bool = False,
-            chunks: int | None = None, head_wgrad: str = "auto"):
+            chunks: int | None = None, head_wgrad: str = "auto", rows_wgrad: str = "auto"):
     """Schedule `name` as its planner makes it (ILP off), for `chunks` model chunks per rank (None: the schedule's
     natural count). `costs` as in `Case`: a plan of n virtual stages takes the last n entries of each tuple."""
     from megatron.zero_bubble.schedules import Costs
@@ -72,7 +73,8 @@ def planned(name: str, stages: int, microbatches: int, costs: tuple | None = Non
         t_f, t_b, t_w, t_comm = costs
         costs = Costs.make(n, t_f=t_f[-n:], t_b=t_b[-n:], t_w=t_w[-n:], t_comm=t_comm, chunks=chunks)
     return plan(name, PlanRequest(stages=stages, microbatches=microbatches, costs=costs, ilp_time_limit=0,
-                                  post_validation=post_validation, chunks=chunks, head_wgrad=head_wgrad))
+                                  post_validation=post_validation, chunks=chunks, head_wgrad=head_wgrad,
+                                  rows_wgrad=rows_wgrad))
 
 
 class CaseRun:
@@ -169,7 +171,7 @@ class CaseRun:
 def _plan_for_microbatches(case: Case, microbatches: int):
     """The case's plan for the layout's chunks per rank (vpp; zb-auto plans any number)."""
     return planned(case.schedule, case.layout.pp, microbatches, case.costs, case.post_validation, case.layout.vpp,
-                   case.head_wgrad)
+                   case.head_wgrad, case.rows_wgrad)
 
 
 def _ddp_config(case: Case):

@@ -171,6 +171,16 @@ def layer_saved(run: Run, layer: int, widths: _Widths | None = None) -> Saved:
     return Saved(forward + mlp.forward, wgrad + mlp.wgrad).scaled(w.tokens)
 
 
+def row_parallel_wgrad(run: Run, layer: int) -> float:
+    """The part of a layer's M_W (bytes per microbatch) its row-parallel layers keep: attention's output projection
+    and a dense MLP's second layer, each its input and a full-width output gradient (as `layer_saved` counts them)."""
+    w = _Widths(run)
+    kept = w.heads * w.kv * w.linear_input_bytes + w.h * w.output_grad_bytes
+    if not run.model.is_moe_layer(layer):
+        kept += run.model.ffn_hidden / run.layout.tp * w.linear_input_bytes + w.h * w.output_grad_bytes
+    return kept * w.tokens
+
+
 def embedding_saved(run: Run) -> Saved:
     w = _Widths(run)
     forward = EMBEDDING_BYTES + (w.h_sp * w.mask if run.model.hidden_dropout > 0 else 0.0)

@@ -63,9 +63,9 @@ def table(advice: Advice) -> list[str]:
                      f"{'yes' if p.peak <= advice.gpu_memory else 'no'}")
     for s in advice.skipped:
         lines.append(f"{s.candidate.label:30s} does not apply: {s.reason}")
-    kept = [p.candidate.label for p in advice.predictions if p.wgrad_in_b]
+    kept = [f"{p.candidate.label} ({', '.join(p.wgrad_in_b)})" for p in advice.predictions if p.wgrad_in_b]
     if kept:
-        lines.append(f"  the output layer's W stays in B (a faster plan than deferring it) in: {', '.join(kept)}")
+        lines.append(f"  W kept inside B (a faster plan than deferring it) in: {', '.join(kept)}")
     return lines
 
 

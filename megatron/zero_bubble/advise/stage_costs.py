@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from ..schedules.costs import Costs
-from .activations import head_saved, pipeline_tensor_bytes, stage_saved
+from .activations import head_saved, pipeline_tensor_bytes, row_parallel_wgrad, stage_saved
 from .run import Run
 
 FLOPS_PER_SECOND = 125e12  # as Costs.from_model: the paper's profiled 1.5B model on A100
@@ -68,6 +68,14 @@ def layer_flops(run: Run, layer: int) -> _Flops:
     return _Flops(linear + attention, linear + 2 * attention + recomputed, linear)
 
 
+def row_parallel_flops(run: Run, layer: int) -> float:
+    """W's FLOPs of a layer's row-parallel layers (attention's output projection, a dense MLP's second layer)."""
+    m, layout = run.model, run.layout
+    tokens = m.seq_length // layout.cp * layout.micro_batch
+    weights = m.heads * m.kv_channels * m.hidden + (0 if m.is_moe_layer(layer) else m.ffn_hidden * m.hidden)
+    return 2 * weights / layout.tp * tokens
+
+
 def head_flops(run: Run) -> _Flops:
     m, layout = run.model, run.layout
     flops = 2 * m.seq_length // layout.cp * layout.micro_batch * m.hidden * m.vocab / layout.tp
@@ -91,11 +99,17 @@ def model_costs(run: Run, counts: list[int], flops_per_second: float = FLOPS_PER
         times.append(flops)
         first += count
     saved = stage_saved(run, counts)
+    firsts = [sum(counts[:v]) for v in range(len(counts))]
+    row_t_w = tuple(sum(row_parallel_flops(run, layer) for layer in range(first, first + count)) / per_ms
+                    for first, count in zip(firsts, counts))
+    row_m_w = tuple(sum(row_parallel_wgrad(run, layer) for layer in range(first, first + count))
+                    for first, count in zip(firsts, counts))
     return Costs(t_f=tuple(t.f / per_ms for t in times), t_b=tuple(t.b / per_ms for t in times),
                  t_w=tuple(t.w / per_ms for t in times), m_f=tuple(s.forward for s in saved),
                  m_w=tuple(s.wgrad for s in saved),
                  t_comm=pipeline_tensor_bytes(run) / link_bytes_per_second * 1e3, memory_unit="bytes",
-                 time_unit="ms", head_t_w=head_flops(run).w / per_ms, head_m_w=head_saved(run).wgrad)
+                 time_unit="ms", head_t_w=head_flops(run).w / per_ms, head_m_w=head_saved(run).wgrad,
+                 row_t_w=row_t_w, row_m_w=row_m_w)
 
 
 # ---------------------------------------------------------------- profiled costs

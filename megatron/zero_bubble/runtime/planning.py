@@ -14,7 +14,7 @@ from typing import Callable
 from ..schedules.costs import TIME_UNITS, Costs
 from ..schedules.memory import DEVICE_MEMORY_SHARE, rank_memory_limits
 from ..schedules.planners import PlanRequest, default_memory_limit, layout_of, plan, schedule_kind
-from ..schedules.problem import MemoryLimit
+from ..schedules.problem import OUTPUT_LAYER, ROW_PARALLEL_LAYERS, MemoryLimit
 from ..schedules.schedule import Schedule, ScheduleError, stage_owner
 from ..schedules.validate import validate
 from .memory_report import memory_record
@@ -70,14 +70,32 @@ def measured_costs(reports: list[dict], layout: str, stages: int, chunks: int, t
                  time_unit="s")
 
 
-def with_head_share(measured: Costs, estimated: Costs | None) -> Costs:
-    """Measured costs with the output layer's share of the last virtual stage's T_W and M_W taken from the estimate
-    (the passes are timed whole, the layer's part is not), so that re-planning can weigh keeping its W in B too."""
-    if estimated is None or not estimated.head_wgrad_known or measured.num_virtual_stages != estimated.num_virtual_stages:
+def with_wgrad_shares(measured: Costs, estimated: Costs | None, kept_in_b=()) -> Costs:
+    """Measured costs with the output layer's share of the last virtual stage's T_W and M_W, and the row-parallel
+    layers' of each stage's, taken from the estimate (the passes are timed whole, a layer's part is not), so that
+    re-planning weighs keeping their W in B too; not for the layers whose W ran in B (`kept_in_b`: measured so)."""
+    if estimated is None or measured.num_virtual_stages != estimated.num_virtual_stages:
         return measured
-    t_share = estimated.head_t_w / estimated.t_w[-1] if estimated.t_w[-1] > 0 else 0.0
-    m_share = estimated.head_m_w / estimated.m_w[-1] if estimated.m_w[-1] > 0 else 0.0
-    return replace(measured, head_t_w=t_share * measured.t_w[-1], head_m_w=m_share * measured.m_w[-1])
+
+    def share(part: float, whole: float) -> float:
+        return part / whole if whole > 0 else 0.0
+
+    out = measured
+    if estimated.head_wgrad_known and OUTPUT_LAYER not in kept_in_b:
+        out = replace(out, head_t_w=share(estimated.head_t_w, estimated.t_w[-1]) * measured.t_w[-1],
+                      head_m_w=share(estimated.head_m_w, estimated.m_w[-1]) * measured.m_w[-1])
+    if estimated.rows_wgrad_known and not set(ROW_PARALLEL_LAYERS) & set(kept_in_b):
+        def layers(values, head):  # a stage's W without the output layer's (on the last stage)
+            return [x - (head if v == len(values) - 1 else 0.0) for v, x in enumerate(values)]
+
+        def scaled(parts, estimate, measure):
+            return tuple(share(part, e) * x for part, e, x in zip(parts, estimate, measure))
+
+        out = replace(out, row_t_w=scaled(estimated.row_t_w, layers(estimated.t_w, estimated.head_t_w),
+                                          layers(measured.t_w, out.head_t_w)),
+                      row_m_w=scaled(estimated.row_m_w, layers(estimated.m_w, estimated.head_m_w),
+                                     layers(measured.m_w, out.head_m_w)))
+    return out
 
 
 def describe_costs(costs: Costs) -> str:
@@ -112,20 +130,23 @@ class RankZeroPlanner:
             t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
             t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
             costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
-            if previous is None or not previous.info.get("wgrad_in_b"):  # else measured with it in B already
-                costs = with_head_share(costs, s.initial_costs)
+            costs = with_wgrad_shares(costs, s.initial_costs, previous.info.get("wgrad_in_b", ()) if previous else ())
             source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
         cost_aware = schedule_kind(s.schedule).cost_aware
         limit = self.memory_limit(costs, gathered) if cost_aware else None
-        head_wgrad = s.head_wgrad
-        if previous is not None and previous.info.get("wgrad_in_b"):
-            head_wgrad = "in-b"  # measured with the output layer's W inside B: the costs hold it there already
+        head_wgrad, rows_wgrad = s.head_wgrad, "auto"
+        kept = previous.info.get("wgrad_in_b", ()) if previous is not None else ()
+        if OUTPUT_LAYER in kept:  # measured with its W inside B: the costs hold it there already
+            head_wgrad = "in-b"
+        if set(ROW_PARALLEL_LAYERS) & set(kept):
+            rows_wgrad = "in-b"
         reports = [f["report"] for f in gathered if f.get("report")]
         try:
             if cost_aware or previous is None:
                 schedule = plan(s.schedule, PlanRequest(stages=s.stages, microbatches=m, costs=costs, chunks=s.chunks,
                                                         memory_limit=limit, ilp_time_limit=s.ilp_time_limit,
-                                                        post_validation=s.post_validation, head_wgrad=head_wgrad))
+                                                        post_validation=s.post_validation, head_wgrad=head_wgrad,
+                                                        rows_wgrad=rows_wgrad))
             else:  # a fixed order: only its prediction changes with the costs
                 schedule = Schedule.from_dict(previous.to_dict())
                 schedule.info["predicted"] = {"bubble_rate": validate(previous, costs).bubble_rate}

@@ -5,6 +5,9 @@ memory an F adds, all freed by B+W; named m_f here because F adds it) and M_W (w
 Per-stage tuples let the first and last stages carry the embedding and the LM head. `head_t_w` and `head_m_w` are
 the output layer's share of the last virtual stage's T_W and M_W, where the costs know it: its W may stay in B
 (`head_wgrad_in_b`), which a planner weighs (planners.py) when the output layer's deferred operands are large.
+`row_t_w` and `row_m_w` are, per virtual stage, the row-parallel layers' share (attention's output projection and
+the dense MLP's second layer, whose output gradients are full width on every tensor-parallel rank): the same choice
+for them (`rows_wgrad_in_b`).
 Memory is in `memory_unit`: "microbatches" (1.0 = one microbatch's activations of one rank) or "bytes";
 times are in `time_unit` ("ms" or "s"), which every printed or drawn figure names.
 """
@@ -15,7 +18,7 @@ from functools import partial
 from typing import Sequence
 
 from .errors import ScheduleError
-from .layer_costs import GPT_LAYER, LayerOptions, LayerWork, layer_work
+from .layer_costs import GPT_LAYER, LayerOptions, LayerWork, layer_work, row_parallel_work
 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}  # seconds per unit
 # Paper's activation-memory ratio M_W / M_B for a typical layer (32sbh vs ~sb(34h+5as)).
@@ -87,6 +90,8 @@ class Costs:
     time_unit: str = "ms"
     head_t_w: float = 0.0  # the output layer's part of the last virtual stage's T_W (0: not known)
     head_m_w: float = 0.0  # and of its M_W: what its W keeps from B to W
+    row_t_w: tuple[float, ...] = ()  # per virtual stage, the row-parallel layers' part of T_W (empty: not known)
+    row_m_w: tuple[float, ...] = ()  # and of M_W
 
     def __post_init__(self):
         if self.time_unit not in TIME_UNITS:
@@ -99,6 +104,24 @@ class Costs:
             raise ScheduleError("costs: pass times and T_comm must not be negative")
         if not (0 <= self.head_t_w <= self.t_w[-1] * (1 + 1e-9) and 0 <= self.head_m_w <= self.m_w[-1] * (1 + 1e-9)):
             raise ScheduleError("costs: the output layer's T_W and M_W must be parts of the last virtual stage's")
+        for name, whole in (("row_t_w", self.t_w), ("row_m_w", self.m_w)):
+            part = getattr(self, name)
+            if part and (len(part) != n or any(not 0 <= x <= y * (1 + 1e-9) for x, y in zip(part, whole))):
+                raise ScheduleError(f"costs: {name} must give each virtual stage a part of its own")
+
+    @property
+    def rows_wgrad_known(self) -> bool:
+        """Whether the row-parallel layers' W is a known, separate part of the stages'."""
+        return any(x > 0 for x in self.row_t_w)
+
+    def rows_wgrad_in_b(self) -> "Costs":
+        """The same costs with the row-parallel layers' W run inside B on every virtual stage."""
+        if not self.row_t_w:
+            return self
+        t_b = tuple(b + r for b, r in zip(self.t_b, self.row_t_w))
+        t_w = tuple(max(0.0, w - r) for w, r in zip(self.t_w, self.row_t_w))
+        m_w = tuple(max(0.0, w - r) for w, r in zip(self.m_w, self.row_m_w or (0.0,) * len(self.m_w)))
+        return replace(self, t_b=t_b, t_w=t_w, m_w=m_w, row_t_w=(), row_m_w=())
 
     @property
     def head_wgrad_known(self) -> bool:
@@ -192,8 +215,12 @@ class Costs:
         empty = work(GPT_LAYER)
         sbh = s * b * h
         head_flops = 2 * sbh * vocab
-        t_f, t_b, t_w, m_f, m_w = [], [], [], [], []
+        rows = partial(row_parallel_work, seq_length=s, micro_batch=b, hidden=h, heads=heads, options=layer_options)
+        t_f, t_b, t_w, m_f, m_w, row_t_w, row_m_w = [], [], [], [], [], [], []
         for v, kinds in enumerate(stage_layers):
+            row = sum((rows(kind) for kind in kinds), LayerWork())
+            row_t_w.append(row.w / flops_per_unit)
+            row_m_w.append(row.m_w)  # in the bytes of the layer model (16-bit), as stage.m_w
             head = v == num_virtual_stages - 1
             stage = sum((work(kind) for kind in kinds), LayerWork()) if kinds else _scaled(empty, _EMPTY_STAGE)
             t_f.append((stage.f + (head_flops if head else 0)) / flops_per_unit)
@@ -203,7 +230,8 @@ class Costs:
             m_w.append(stage.m_w + (bytes_per_element * (sbh + s * b * vocab) if head else 0))
         t_comm = bytes_per_element * sbh / link_bytes_per_second / TIME_UNITS[time_unit]
         return cls(tuple(t_f), tuple(t_b), tuple(t_w), tuple(m_f), tuple(m_w), t_comm, "bytes", time_unit,
-                   head_t_w=head_flops / flops_per_unit, head_m_w=bytes_per_element * (sbh + s * b * vocab))
+                   head_t_w=head_flops / flops_per_unit, head_m_w=bytes_per_element * (sbh + s * b * vocab),
+                   row_t_w=tuple(row_t_w), row_m_w=tuple(row_m_w))
 
     def rank_microbatch_memory(self, owners: Sequence[Sequence[int]]) -> list[float]:
         """Activation memory of one whole microbatch on each rank (the M_B of that rank).
@@ -227,4 +255,6 @@ class Costs:
             time_unit=str(data.get("time_unit", "ms")),
             head_t_w=float(data.get("head_t_w", 0.0)),
             head_m_w=float(data.get("head_m_w", 0.0)),
+            row_t_w=tuple(float(x) for x in data.get("row_t_w", ())),
+            row_m_w=tuple(float(x) for x in data.get("row_m_w", ())),
         )

@@ -133,6 +133,21 @@ def _gated_delta_net(x: _Shape) -> LayerWork:
 _BY_KIND = {"*": _attention, "-": _mlp, "E": _moe, "M": _mamba, "G": _gated_delta_net}
 
 
+def row_parallel_work(kind: str, seq_length: int, micro_batch: int, hidden: int, heads: int,
+                      options: LayerOptions | None = None) -> LayerWork:
+    """The part of one layer's W (FLOPs, and M_W bytes) that is its row-parallel layers': attention's output
+    projection and a dense MLP's second layer (each keeps its input and a full-width output gradient for W)."""
+    x = _Shape(seq_length, seq_length * micro_batch, hidden, heads, options or LayerOptions())
+    t, h = x.t, x.h
+    w, m_w = 0, 0
+    if kind == GPT_LAYER or kind in ATTENTION_KINDS:
+        w, m_w = w + 2 * t * h * h, m_w + t * 4 * h
+    if kind in (GPT_LAYER, "-"):
+        width = x.options.ffn_hidden or 4 * h
+        w, m_w = w + 2 * t * h * width, m_w + t * (2 * width + 2 * h)
+    return LayerWork(w=w, m_w=m_w)
+
+
 def layer_work(kind: str, seq_length: int, micro_batch: int, hidden: int, heads: int,
                options: LayerOptions | None = None) -> LayerWork:
     """The work of one layer of `kind` (see KINDS) for one microbatch."""

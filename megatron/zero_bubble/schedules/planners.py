@@ -18,7 +18,7 @@ from . import auto, baselines, handcrafted, vbudget, vshape
 from .costs import Costs
 from .memory import memory_profile
 from .post_validation import with_post_validation
-from .problem import OUTPUT_LAYER, MemoryLimit, PlanRequest
+from .problem import OUTPUT_LAYER, ROW_PARALLEL_LAYERS, MemoryLimit, PlanRequest
 from .schedule import Schedule, ScheduleError
 from .simulate import Timeline
 from .validate import validate
@@ -237,41 +237,63 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     if request.microbatches < 1:
         raise ScheduleError(f"need at least 1 microbatch, got {request.microbatches}")
     request = resolve(name, request)
-    in_b = request.head_wgrad == "in-b" and kind.split_backward
-    if request.head_wgrad == "auto" and kind.split_backward and kind.cost_aware and request.costs.head_wgrad_known:
-        kept = replace(request, costs=request.costs.head_wgrad_in_b())
-        if not (kind.ilp and request.ilp_time_limit > 0):
-            return _faster(lambda: _built(kind, request), lambda: _built(kind, kept, in_b=True))
-        # weighed on the heuristic's plans; the ILP refines only the one kept (its time limit is spent once)
-        quick = _faster(lambda: _built(kind, replace(request, ilp_time_limit=0)),
-                        lambda: _built(kind, replace(kept, ilp_time_limit=0), in_b=True))
-        return _built(kind, kept, in_b=True) if quick[0].info.get("wgrad_in_b") else _built(kind, request)
-    if in_b:
-        request = replace(request, costs=request.costs.head_wgrad_in_b())
-    return _built(kind, request, in_b)
+    variants = _wgrad_variants(kind, request)
+    if len(variants) == 1:
+        return _built(kind, *variants[0])
+    if not (kind.ilp and request.ilp_time_limit > 0):
+        return _fastest([lambda v=v: _built(kind, *v) for v in variants])
+    # weighed on the heuristic's plans; the ILP refines only the one kept (its time limit is spent once)
+    quick = _fastest([lambda v=v: _built(kind, replace(v[0], ilp_time_limit=0), v[1]) for v in variants])
+    kept = next(v for v in variants if tuple(v[1]) == tuple(quick[0].info.get("wgrad_in_b", ())))
+    return _built(kind, *kept)
 
 
-# How much shorter a plan with the output layer's W in B must be to be kept: deferring is the default, and a change for
-# a gain within the cost model's error would only move memory around
-HEAD_WGRAD_IN_B_GAIN = 1e-3
+def _wgrad_variants(kind: ScheduleKind, request: PlanRequest) -> list[tuple[PlanRequest, list[str]]]:
+    """The requests to plan, each with the layers whose W it keeps in B: where the output layer's and the
+    row-parallel layers' W run (deferred, in B, or both weighed by a cost-aware split planner where the costs know
+    their share); the all-deferred one first."""
+    if not kind.split_backward:
+        return [(request, [])]
+    weighs = kind.cost_aware
+    head = {"deferred": [False], "in-b": [True]}.get(request.head_wgrad,
+                                                     [False, True] if weighs and request.costs.head_wgrad_known
+                                                     else [False])
+    rows = {"deferred": [False], "in-b": [True]}.get(request.rows_wgrad,
+                                                     [False, True] if weighs and request.costs.rows_wgrad_known
+                                                     else [False])
+    variants = []
+    for in_b_rows in rows:
+        for in_b_head in head:
+            costs, names = request.costs, []
+            if in_b_head:
+                costs, names = costs.head_wgrad_in_b(), names + [OUTPUT_LAYER]
+            if in_b_rows:
+                costs, names = costs.rows_wgrad_in_b(), names + list(ROW_PARALLEL_LAYERS)
+            variants.append((replace(request, costs=costs), names))
+    return variants
 
 
-def _faster(deferred: Callable, kept_in_b: Callable) -> tuple[Schedule, Timeline]:
-    """The output layer's W deferred or kept in B, whichever plan is shorter (in B only when shorter by
-    HEAD_WGRAD_IN_B_GAIN); one that cannot be planned (it does not fit the limit) leaves the other."""
-    try:
-        plans = [deferred()]
-    except ScheduleError:
-        return kept_in_b()
-    try:
-        plans.append(kept_in_b())
-    except ScheduleError:
-        pass
-    return min(plans, key=lambda plan: plan[1].makespan * (1 + HEAD_WGRAD_IN_B_GAIN * (plan is not plans[0])))
+# How much shorter a plan with some W kept in B must be than the one with all W deferred: deferring is the default,
+# and a change for a gain within the cost model's error would only move memory around
+WGRAD_IN_B_GAIN = 1e-3
 
 
-def _built(kind: ScheduleKind, request: PlanRequest, in_b: bool = False) -> tuple[Schedule, Timeline]:
-    """The kind's plan for a resolved request, validated on its costs; `in_b`: the costs have the output layer's W
+def _fastest(plans: list[Callable]) -> tuple[Schedule, Timeline]:
+    """The shortest of the plans (the first, all W deferred, unless another is shorter by WGRAD_IN_B_GAIN); one that
+    cannot be planned (it does not fit the limit) leaves the others."""
+    built, error = [], None
+    for k, make in enumerate(plans):
+        try:
+            built.append((make(), k))
+        except ScheduleError as failure:
+            error = error or failure
+    if not built:
+        raise error
+    return min(built, key=lambda item: (item[0][1].makespan * (1 + WGRAD_IN_B_GAIN * (item[1] > 0)), item[1]))[0]
+
+
+def _built(kind: ScheduleKind, request: PlanRequest, in_b: list[str] = ()) -> tuple[Schedule, Timeline]:
+    """The kind's plan for a resolved request, validated on its costs; `in_b`: the layers whose W the costs have
     inside B, and the schedule says so (info["wgrad_in_b"], which the runtime honours)."""
     schedule = kind.build(request)
     if request.post_validation:
@@ -283,5 +305,5 @@ def _built(kind: ScheduleKind, request: PlanRequest, in_b: bool = False) -> tupl
         bubble_rate=timeline.bubble_rate, makespan=timeline.makespan, peak_memory=timeline.peak_memory
     )
     if in_b:
-        schedule.info["wgrad_in_b"] = [OUTPUT_LAYER]
+        schedule.info["wgrad_in_b"] = list(in_b)
     return schedule, timeline

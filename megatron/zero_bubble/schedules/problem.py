@@ -106,6 +106,7 @@ class MemoryLimit:
 
 HEAD_WGRAD_CHOICES = ("auto", "deferred", "in-b")
 OUTPUT_LAYER = "output_layer"  # the name a schedule's info["wgrad_in_b"] gives the output layer (the LM head)
+ROW_PARALLEL_LAYERS = ("linear_proj", "linear_fc2")  # and the row-parallel layers (megatron's module names)
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,10 @@ class PlanRequest:
     # Where the output layer's W runs under a split schedule: "auto" (a cost-aware planner plans both ways and keeps
     # the faster, where the costs know the output layer's share of W), "deferred" (a W pass) or "in-b" (inside B)
     head_wgrad: str = "auto"
+    rows_wgrad: str = "auto"  # the same for the row-parallel layers (Costs.row_t_w): "auto", "deferred" or "in-b"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit))
-        if self.head_wgrad not in HEAD_WGRAD_CHOICES:
-            raise ScheduleError(f"the output layer's W: expected one of {', '.join(HEAD_WGRAD_CHOICES)}, got "
-                                f"{self.head_wgrad!r}")
+        for what, choice in (("the output layer's W", self.head_wgrad), ("the row-parallel layers' W", self.rows_wgrad)):
+            if choice not in HEAD_WGRAD_CHOICES:
+                raise ScheduleError(f"{what}: expected one of {', '.join(HEAD_WGRAD_CHOICES)}, got {choice!r}")
