@@ -240,12 +240,27 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     variants = _wgrad_variants(kind, request)
     if len(variants) == 1:
         return _built(kind, *variants[0])
-    if not (kind.ilp and request.ilp_time_limit > 0):
-        return _fastest([lambda v=v: _built(kind, *v) for v in variants])
-    # weighed on the heuristic's plans; the ILP refines only the one kept (its time limit is spent once)
-    quick = _fastest([lambda v=v: _built(kind, replace(v[0], ilp_time_limit=0), v[1]) for v in variants])
-    kept = next(v for v in variants if tuple(v[1]) == tuple(quick[0].info.get("wgrad_in_b", ())))
+    refine = kind.ilp and request.ilp_time_limit > 0  # weighed on the heuristic's plans; the ILP refines the one kept
+    quick = [(replace(v[0], ilp_time_limit=0) if refine else v[0], v[1]) for v in variants]
+    try:
+        deferred = _built(kind, *quick[0])
+    except ScheduleError as error:
+        deferred = error
+    if not isinstance(deferred, ScheduleError) and deferred[1].bubble_rate_from_zero <= WGRAD_IN_B_GAIN / (
+            1 + WGRAD_IN_B_GAIN):
+        best = deferred  # within the gain of the busiest rank's work, which no placement of W changes: nothing to win
+    else:
+        best = _fastest([lambda: _or_raise(deferred)] + [lambda v=v: _built(kind, *v) for v in quick[1:]])
+    if not refine:
+        return best
+    kept = next(v for v in variants if tuple(v[1]) == tuple(best[0].info.get("wgrad_in_b", ())))
     return _built(kind, *kept)
+
+
+def _or_raise(planned):
+    if isinstance(planned, ScheduleError):
+        raise planned
+    return planned
 
 
 def _wgrad_variants(kind: ScheduleKind, request: PlanRequest) -> list[tuple[PlanRequest, list[str]]]:
