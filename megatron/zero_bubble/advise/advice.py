@@ -108,7 +108,7 @@ def predict(run: Run, candidate: Candidate, costs: Costs, ilp_time_limit: float 
                       makespan=timeline.makespan, time_unit=costs.time_unit, state=state,
                       activations=tuple(max(rank, default=0.0) for rank in held),
                       busy=tuple(sum(t.end - t.start for t in rank) for rank in timeline.ranks),
-                      held_per_microbatch=(_median(costs.m_f), _median(costs.m_w)),
+                      held_per_microbatch=(median(costs.m_f), median(costs.m_w)),
                       wgrad_in_b=tuple(schedule.info.get("wgrad_in_b", ())))
 
 
@@ -124,7 +124,8 @@ def _room_per_rank(state: tuple[ModelState, ...], gpu_memory: float | None, cap:
     return MemoryLimit.per_rank_amounts(room)
 
 
-def _median(values) -> float:
+def median(values) -> float:
+    """The middle value (the upper of the two middle ones), 0 for none."""
     ordered = sorted(values)
     return float(ordered[len(ordered) // 2]) if ordered else 0.0
 

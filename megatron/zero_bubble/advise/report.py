@@ -1,7 +1,7 @@
 """What advise prints: what it read, a table of the schedules, and the flags for the best one that fits."""
 from __future__ import annotations
 
-from .advice import GIB, Advice, Prediction
+from .advice import GIB, Advice, Prediction, median
 from .parameters import ModelState
 from .run import Run
 
@@ -92,13 +92,11 @@ def _why(advice: Advice, p: Prediction) -> str:
     if m_w > m_f:
         reasons.append(f"W's deferred operands outweigh an F's activations (M_W {size(m_w)} against M_F {size(m_f)} "
                        f"per virtual stage), so the memory it is named for leaves little room to defer W")
-    others = sorted(p.busy[1:])
-    middle = others[len(others) // 2] if others else 0.0
-    states = sorted(state.total for state in p.state[1:])
-    if middle > 0 and states:
+    middle = median(p.busy[1:])
+    if middle > 0:
         reasons.append(f"the V puts both ends of the model on pipeline rank 0, whose passes take "
                        f"{p.busy[0] / middle - 1:.1%} longer than the other ranks' and whose model state is "
-                       f"{size(p.state[0].total - states[len(states) // 2])} larger")
+                       f"{size(p.state[0].total - median(state.total for state in p.state[1:]))} larger")
     one_f_one_b = advice.by_planner("1f1b")
     baseline = f" (1F1B: {one_f_one_b.bubble_rate:.2%})" if one_f_one_b is not None else ""
     return "; ".join(reasons + [f"at {memory} per rank {p.bubble_rate:.2%} of each rank's span is idle{baseline}"])

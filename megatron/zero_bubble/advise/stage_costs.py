@@ -86,11 +86,13 @@ def model_costs(run: Run, counts: list[int], flops_per_second: float = FLOPS_PER
                 link_bytes_per_second: float = LINK_BYTES_PER_SECOND) -> Costs:
     """Costs in ms and bytes for virtual stages holding `counts` layers each (virtual-stage order)."""
     per_ms = flops_per_second / 1e3
-    times, first = [], 0
+    times, row_t_w, row_m_w, first = [], [], [], 0
     for v, count in enumerate(counts):
         flops = _Flops(0.0, 0.0, 0.0)
         for layer in range(first, first + count):
             flops += layer_flops(run, layer)
+        row_t_w.append(sum(row_parallel_flops(run, layer) for layer in range(first, first + count)) / per_ms)
+        row_m_w.append(sum(row_parallel_wgrad(run, layer) for layer in range(first, first + count)))
         if count == 0:
             one = layer_flops(run, min(first, run.model.layers - 1))
             flops = _Flops(_EMPTY_STAGE * one.f, _EMPTY_STAGE * one.b, _EMPTY_STAGE * one.w)
@@ -99,17 +101,12 @@ def model_costs(run: Run, counts: list[int], flops_per_second: float = FLOPS_PER
         times.append(flops)
         first += count
     saved = stage_saved(run, counts)
-    firsts = [sum(counts[:v]) for v in range(len(counts))]
-    row_t_w = tuple(sum(row_parallel_flops(run, layer) for layer in range(first, first + count)) / per_ms
-                    for first, count in zip(firsts, counts))
-    row_m_w = tuple(sum(row_parallel_wgrad(run, layer) for layer in range(first, first + count))
-                    for first, count in zip(firsts, counts))
     return Costs(t_f=tuple(t.f / per_ms for t in times), t_b=tuple(t.b / per_ms for t in times),
                  t_w=tuple(t.w / per_ms for t in times), m_f=tuple(s.forward for s in saved),
                  m_w=tuple(s.wgrad for s in saved),
                  t_comm=pipeline_tensor_bytes(run) / link_bytes_per_second * 1e3, memory_unit="bytes",
                  time_unit="ms", head_t_w=head_flops(run).w / per_ms, head_m_w=head_saved(run).wgrad,
-                 row_t_w=row_t_w, row_m_w=row_m_w)
+                 row_t_w=tuple(row_t_w), row_m_w=tuple(row_m_w))
 
 
 # ---------------------------------------------------------------- profiled costs

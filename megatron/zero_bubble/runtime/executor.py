@@ -55,6 +55,7 @@ class PipelineExecutor:
         self.post_validation: StepValidation | None = None
         self.stores: list[WeightGradStore] = []
         self._attached_to: tuple | None = None  # (ids of the chunks, split) the stores were made for
+        self._kept_in_b_for: tuple | None = None  # (layer names, ids of the stores) _keep_in_b last applied
         self._lowered: dict[tuple[int, bool], tuple[Schedule, LoweredRun]] = {}
         self.last_stats = IterationStats()
         self.memory_probe: MemoryProbe | None = None  # set: every call reads the allocator (a call may pass its own)
@@ -80,10 +81,15 @@ class PipelineExecutor:
 
     def _keep_in_b(self, schedule: Schedule, chunks: list, stores: list[WeightGradStore]) -> None:
         """The layers whose W the schedule keeps inside B (info["wgrad_in_b"]), where the chunk's store holds them (a
-        layer the split leaves alone runs its W in B anyway)."""
+        layer the split leaves alone runs its W in B anyway); looked up in the model only when the names or the stores
+        change, not every call."""
         if not schedule.uses_split_backward():
             return
         names = schedule.info.get("wgrad_in_b", ())
+        key = (tuple(names), tuple(id(store) for store in stores))  # new stores come after release(), which resets it
+        if key == self._kept_in_b_for:
+            return
+        self._kept_in_b_for = key
         for store, chunk in zip(stores, chunks):
             held = {id(weight) for weight in store.weights}
             store.keep_in_b([w for w in self.megatron.named_layer_weights(chunk, names) if id(w) in held])
@@ -98,7 +104,7 @@ class PipelineExecutor:
         """Give the layers back their own backward (e.g. before another executor takes the model over)."""
         for store in self.stores:
             store.detach()
-        self.stores, self._attached_to = [], None
+        self.stores, self._attached_to, self._kept_in_b_for = [], None, None
 
     def close(self) -> None:
         """release(), and the operations and watchdog of the messages (at the end of the run)."""

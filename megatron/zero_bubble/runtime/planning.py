@@ -124,18 +124,18 @@ class RankZeroPlanner:
     def decide(self, m: int, gathered: list[dict], previous: Schedule | None) -> PlanDecision:
         s = self.settings
         costs, source = self.costs, "estimated from the model shape"
+        kept = previous.info.get("wgrad_in_b", ()) if previous is not None else ()  # measured with these W in B
         if costs is None:
             costs, source = Costs.make(s.stages * s.chunks, chunks=s.chunks), "unit costs"
         if gathered[0].get("report"):
             t_comm = sorted(t for facts in gathered for t in facts["t_comm"])
             t_comm = t_comm[len(t_comm) // 2] if t_comm else 0.0
             costs = measured_costs([f["report"] for f in gathered], self.layout, s.stages, s.chunks, t_comm)
-            costs = with_wgrad_shares(costs, s.initial_costs, previous.info.get("wgrad_in_b", ()) if previous else ())
+            costs = with_wgrad_shares(costs, s.initial_costs, kept)
             source = f"measured in iterations {s.timers_start_iter + 1}-{s.timers_end_iter}"  # as megatron logs them
         cost_aware = schedule_kind(s.schedule).cost_aware
         limit = self.memory_limit(costs, gathered) if cost_aware else None
         head_wgrad, rows_wgrad = s.head_wgrad, "auto"
-        kept = previous.info.get("wgrad_in_b", ()) if previous is not None else ()
         if OUTPUT_LAYER in kept:  # measured with its W inside B: the costs hold it there already
             head_wgrad = "in-b"
         if set(ROW_PARALLEL_LAYERS) & set(kept):

@@ -241,26 +241,11 @@ def _plan_with_timeline(name: str, request: PlanRequest) -> tuple[Schedule, Time
     if len(variants) == 1:
         return _built(kind, *variants[0])
     refine = kind.ilp and request.ilp_time_limit > 0  # weighed on the heuristic's plans; the ILP refines the one kept
-    quick = [(replace(v[0], ilp_time_limit=0) if refine else v[0], v[1]) for v in variants]
-    try:
-        deferred = _built(kind, *quick[0])
-    except ScheduleError as error:
-        deferred = error
-    if not isinstance(deferred, ScheduleError) and deferred[1].bubble_rate_from_zero <= WGRAD_IN_B_GAIN / (
-            1 + WGRAD_IN_B_GAIN):
-        best = deferred  # within the gain of the busiest rank's work, which no placement of W changes: nothing to win
-    else:
-        best = _fastest([lambda: _or_raise(deferred)] + [lambda v=v: _built(kind, *v) for v in quick[1:]])
+    best = _fastest(kind, [(replace(v[0], ilp_time_limit=0) if refine else v[0], v[1]) for v in variants])
     if not refine:
         return best
     kept = next(v for v in variants if tuple(v[1]) == tuple(best[0].info.get("wgrad_in_b", ())))
     return _built(kind, *kept)
-
-
-def _or_raise(planned):
-    if isinstance(planned, ScheduleError):
-        raise planned
-    return planned
 
 
 def _wgrad_variants(kind: ScheduleKind, request: PlanRequest) -> list[tuple[PlanRequest, list[str]]]:
@@ -293,15 +278,19 @@ def _wgrad_variants(kind: ScheduleKind, request: PlanRequest) -> list[tuple[Plan
 WGRAD_IN_B_GAIN = 1e-3
 
 
-def _fastest(plans: list[Callable]) -> tuple[Schedule, Timeline]:
-    """The shortest of the plans (the first, all W deferred, unless another is shorter by WGRAD_IN_B_GAIN); one that
-    cannot be planned (it does not fit the limit) leaves the others."""
+def _fastest(kind: ScheduleKind, variants: list) -> tuple[Schedule, Timeline]:
+    """The shortest plan of the variants (the first, all W deferred, unless another is shorter by WGRAD_IN_B_GAIN);
+    one that cannot be planned (it does not fit the limit) leaves the others. When the first is within the gain of the
+    busiest rank's work, which no placement of W changes, there is nothing to win: the others are not planned."""
     built, error = [], None
-    for k, make in enumerate(plans):
+    for k, variant in enumerate(variants):
         try:
-            built.append((make(), k))
+            built.append((_built(kind, *variant), k))
         except ScheduleError as failure:
             error = error or failure
+            continue
+        if k == 0 and built[0][0][1].bubble_rate_from_zero <= WGRAD_IN_B_GAIN / (1 + WGRAD_IN_B_GAIN):
+            break
     if not built:
         raise error
     return min(built, key=lambda item: (item[0][1].makespan * (1 + WGRAD_IN_B_GAIN * (item[1] > 0)), item[1]))[0]

@@ -104,7 +104,7 @@ class MemoryLimit:
         return f"{self.amount:g}" + ("" if not self.absolute else " (absolute)")
 
 
-HEAD_WGRAD_CHOICES = ("auto", "deferred", "in-b")
+WGRAD_PLACEMENTS = ("auto", "deferred", "in-b")
 OUTPUT_LAYER = "output_layer"  # the name a schedule's info["wgrad_in_b"] gives the output layer (the LM head)
 ROW_PARALLEL_LAYERS = ("linear_proj", "linear_fc2")  # and the row-parallel layers (megatron's module names)
 
@@ -128,5 +128,5 @@ class PlanRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory_limit", MemoryLimit.of(self.memory_limit))
         for what, choice in (("the output layer's W", self.head_wgrad), ("the row-parallel layers' W", self.rows_wgrad)):
-            if choice not in HEAD_WGRAD_CHOICES:
-                raise ScheduleError(f"{what}: expected one of {', '.join(HEAD_WGRAD_CHOICES)}, got {choice!r}")
+            if choice not in WGRAD_PLACEMENTS:
+                raise ScheduleError(f"{what}: expected one of {', '.join(WGRAD_PLACEMENTS)}, got {choice!r}")

@@ -272,15 +272,12 @@ class _Planner:
         """The paper's ZB-V order itself where it fits `limits` and beats `best` (by the planner's measure, the bubble
         then the makespan): the ladder's levels are whole steps, and a budget between two of them that holds ZB-V's
         own peaks must not get a worse plan."""
-        self._paper()
-        if any(peak > limit * (1 + _EPS) + _EPS for peak, limit in zip(self._paper_peaks, limits)):
+        paper, found = self._paper(), []
+        if self._keep(found, paper.ranks, {"order": "the paper's ZB-V"}, limits) is None:
             return best
-        timeline = simulate(self._paper_v, self.costs)
-        score = (round(timeline.bubble_rate, 12), round(timeline.makespan, 9))
-        if best is not None and best[0].score <= score:
+        if best is not None and best[0].score <= found[0].score:
             return best
-        level = max(peak / mb for peak, mb in zip(self._paper_peaks, self.rank_mb))
-        return _Candidate(self._paper_v.ranks, {"order": "the paper's ZB-V"}, score), level
+        return found[0], max(peak / mb for peak, mb in zip(self._paper_peaks, self.rank_mb))
 
 
 def _costs_for(name: str, stages: int, microbatches: int, costs: Costs | None) -> Costs:

@@ -10,7 +10,7 @@ import argparse
 
 from ..schedules.errors import ScheduleError
 from ..schedules.planners import SCHEDULES, pipeline_schedule_names, split_backward_schedules
-from ..schedules.problem import HEAD_WGRAD_CHOICES, MemoryLimit
+from ..schedules.problem import WGRAD_PLACEMENTS, MemoryLimit
 from ..runtime.faults import KINDS as FAULT_KINDS, parse_fault
 from ..runtime.messaging import DEFAULT_WATCHDOG_TIMEOUT_S
 from ..runtime.planning import DEVICE_MEMORY_SHARE
@@ -160,7 +160,7 @@ def add_zero_bubble_flags(parser: argparse.ArgumentParser) -> None:
                        "costs (1x: no rank holds more than 1F1B's fullest, where a larger last stage makes p M_B "
                        "more). auto (default): on GPU what the free device memory holds, at most the planner's "
                        "default; on CPU the default, 2p for zb-auto and p for zb-v.")
-    group.add_argument("--zero-bubble-output-layer-wgrad", choices=HEAD_WGRAD_CHOICES, default=None,
+    group.add_argument("--zero-bubble-output-layer-wgrad", choices=WGRAD_PLACEMENTS, default=None,
                        help="Where a split schedule runs the output layer's weight gradient: auto (default: the "
                        "planner plans it both deferred into a W pass and kept inside B, and keeps the faster, where "
                        "the costs know the output layer's share; it stays in B after re-planning if it was), "
